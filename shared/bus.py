@@ -1,0 +1,527 @@
+"""NATS JetStream: the only module that imports `nats`.
+
+It owns the stream/consumer table, publishing with `Nats-Msg-Id`, and the worker loop
+(fetch → handle → ack / nak with backoff / dead letter), so that a service only writes a
+handler. The loop's rules, in one place:
+
+* A handler returning normally means "the result is durable and its event is published":
+  the message is acked (write-then-ack). Long handlers are kept alive with `in_progress()`
+  every ack_wait/3, so ack_wait stays short (about a minute) and a dead worker's messages
+  come back quickly.
+* `Retry` or any other exception: nak with exponential backoff, until the delivery count
+  reaches `max_deliver`; then a DeadLetter with the last error goes to the DEADLETTER stream
+  and the message is terminated (which deletes it from a work queue).
+* `Poison`: dead-lettered at once (malformed payloads too).
+* The server-side consumer has no max_deliver (-1). A message whose worker died on its last
+  allowed delivery is dead-lettered by the next worker that sees it, instead of lingering in
+  the work queue forever (what a server-side max_deliver does to work-queue messages).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import random
+import time
+import traceback
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.msg import Msg
+from nats.js import api
+
+from shared.config import BusConfig
+from shared.messages import DeadLetter, Message, MessageError, Subjects, decode, encode
+
+log = logging.getLogger("dflash.bus")
+
+MSG_ID = "Nats-Msg-Id"
+
+
+# --- the declarative table ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    name: str
+    subjects: tuple[str, ...]
+    description: str
+    work_queue: bool = False
+    max_age_s: float = 0.0  # 0: keep forever
+    max_msgs_per_subject: int = -1
+    discard_new_per_subject: bool = False
+    duplicate_window_s: float | None = None  # None: the bus config's
+
+
+def streams(cfg: BusConfig) -> list[StreamSpec]:
+    return [
+        StreamSpec(
+            "PROMPTS", ("dflash.*.generate.task",), "prompt work queue: one PromptTask per prompt",
+            work_queue=True,
+        ),
+        StreamSpec(
+            "REGISTRY", ("dflash.*.registry.*",),
+            "one message per fed prompt: dedupe that survives server restarts",
+            max_msgs_per_subject=1, discard_new_per_subject=True, duplicate_window_s=120.0,
+        ),
+        StreamSpec("SHARDS", ("dflash.*.generate.shard",), "ShardWritten log (replayable)"),
+        StreamSpec("TOKENIZED", ("dflash.*.tokenize.shard",), "TokenizedShard log (replayable)"),
+        StreamSpec(
+            "PROGRESS", ("dflash.*.*.progress.*", "dflash.*.*.alert"),
+            "progress heartbeats and alerts, kept for max_age so a late dashboard sees history",
+            max_age_s=cfg.progress_max_age_s, duplicate_window_s=60.0,
+        ),
+        StreamSpec("DEADLETTER", ("dflash.*.*.deadletter",), "messages the pipeline gave up on, with the error"),
+    ]
+
+
+@dataclass(frozen=True)
+class ConsumerSpec:
+    stream: str
+    durable: str
+    filter_subject: str
+    ack_wait_s: float = 60.0
+    max_ack_pending: int = 256
+    max_deliver: int = 5  # enforced by the worker loop (see module doc)
+    stage: str = ""
+
+
+def consumer_for(stage: str, run: str, *, ack_wait_s: float = 60.0, max_ack_pending: int = 256,
+                 max_deliver: int = 5) -> ConsumerSpec:
+    """The durable consumer each stage shares between all its workers, one per run."""
+    table = {
+        "generate": ("PROMPTS", Subjects.prompts(run)),
+        "tokenize": ("SHARDS", Subjects.shards(run)),
+        "train": ("TOKENIZED", Subjects.tokenized(run)),
+    }
+    stream, subject = table[stage]
+    return ConsumerSpec(stream, f"{stage}-{run}", subject, ack_wait_s, max_ack_pending, max_deliver, stage)
+
+
+# --- handler outcomes --------------------------------------------------------------------------
+
+
+class Retry(Exception):
+    """Transient failure: redeliver later (after `delay_s`, else exponential backoff)."""
+
+    def __init__(self, reason: str, delay_s: float | None = None) -> None:
+        super().__init__(reason)
+        self.delay_s = delay_s
+
+
+class Poison(Exception):
+    """This message can never succeed: dead-letter it now."""
+
+
+@dataclass
+class Delivery:
+    msg: Msg
+    data: Any
+    num_delivered: int
+    stream_seq: int
+
+    async def in_progress(self) -> None:
+        await self.msg.in_progress()
+
+
+@dataclass
+class WorkStats:
+    acked: int = 0
+    retried: int = 0
+    dead_lettered: int = 0
+    requeued_on_shutdown: int = 0
+    last_error: str = ""
+    errors: int = 0
+    in_flight: int = 0
+
+
+def backoff_delay(num_delivered: int, base_s: float = 1.0, cap_s: float = 60.0) -> float:
+    return min(cap_s, base_s * 2 ** max(0, num_delivered - 1)) * (0.8 + 0.4 * random.random())
+
+
+# --- the bus -----------------------------------------------------------------------------------
+
+
+class Bus:
+    def __init__(self, nc: nats.NATS, cfg: BusConfig) -> None:
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.cfg = cfg
+
+    @classmethod
+    async def connect(cls, cfg: BusConfig, name: str = "dflash", *, deadline_s: float | None = None) -> Bus:
+        """Connect, retrying the first connection with backoff; afterwards reconnect forever.
+
+        `deadline_s=None` waits for the server forever (services under a supervisor); a CLI
+        passes a deadline so that a wrong URL is reported instead of hanging.
+        """
+        opts: dict[str, Any] = dict(
+            servers=[s.strip() for s in cfg.url.split(",")],
+            name=name,
+            connect_timeout=cfg.connect_timeout_s,
+            reconnect_time_wait=cfg.reconnect_wait_s,
+            max_reconnect_attempts=-1,
+            allow_reconnect=True,
+        )
+        if os.environ.get("DFLASH_NATS_TOKEN"):
+            opts["token"] = os.environ["DFLASH_NATS_TOKEN"]
+        if os.environ.get("DFLASH_NATS_USER"):
+            opts["user"] = os.environ["DFLASH_NATS_USER"]
+            opts["password"] = os.environ.get("DFLASH_NATS_PASSWORD", "")
+        if cfg.creds_file:
+            opts["user_credentials"] = cfg.creds_file
+
+        async def _disconnected() -> None:
+            log.warning("disconnected from NATS; reconnecting")
+
+        async def _reconnected() -> None:
+            log.info("reconnected to NATS")
+
+        async def _error(e: Exception) -> None:
+            log.debug("NATS client error: %s", e)
+
+        opts.update(disconnected_cb=_disconnected, reconnected_cb=_reconnected, error_cb=_error)
+        start, delay = time.monotonic(), 0.2
+        while True:
+            try:
+                nc = await nats.connect(**opts)
+                return cls(nc, cfg)
+            except (nats.errors.NoServersError, OSError, TimeoutError) as e:
+                if deadline_s is not None and time.monotonic() - start >= deadline_s:
+                    raise ConnectionError(f"NATS at {cfg.url} unreachable for {deadline_s:.0f}s: {e}") from None
+                log.warning("NATS at %s unreachable (%s); retrying in %.1fs", cfg.url, e, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    async def close(self) -> None:
+        if not self.nc.is_closed:
+            with contextlib.suppress(Exception):
+                await self.nc.drain()
+
+    async def __aenter__(self) -> Bus:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # --- streams and consumers ------------------------------------------------------------------
+
+    async def ensure_streams(self) -> None:
+        """Create or update every stream in the table; safe on every start."""
+        for spec in streams(self.cfg):
+            dup = self.cfg.duplicate_window_s if spec.duplicate_window_s is None else spec.duplicate_window_s
+            if spec.max_age_s:
+                dup = min(dup, spec.max_age_s)
+            config = api.StreamConfig(
+                name=spec.name,
+                description=spec.description,
+                subjects=list(spec.subjects),
+                retention=api.RetentionPolicy.WORK_QUEUE if spec.work_queue else api.RetentionPolicy.LIMITS,
+                storage=api.StorageType.FILE,
+                num_replicas=self.cfg.replicas,
+                max_age=spec.max_age_s or None,
+                max_msgs_per_subject=spec.max_msgs_per_subject,
+                discard=api.DiscardPolicy.NEW if spec.discard_new_per_subject else api.DiscardPolicy.OLD,
+                discard_new_per_subject=spec.discard_new_per_subject,
+                duplicate_window=dup,
+                allow_direct=True,
+            )
+            try:
+                await self.js.stream_info(spec.name)
+            except nats.js.errors.NotFoundError:
+                await self.js.add_stream(config)
+            else:
+                await self.js.update_stream(config)
+
+    async def ensure_consumer(self, spec: ConsumerSpec) -> api.ConsumerInfo:
+        """Create or update a durable pull consumer (pull_subscribe would ignore a changed config)."""
+        config = api.ConsumerConfig(
+            durable_name=spec.durable,
+            filter_subject=spec.filter_subject,
+            ack_policy=api.AckPolicy.EXPLICIT,
+            deliver_policy=api.DeliverPolicy.ALL,
+            ack_wait=spec.ack_wait_s,
+            max_ack_pending=spec.max_ack_pending,
+            max_deliver=-1,
+            max_waiting=512,
+        )
+        return await self.js.add_consumer(spec.stream, config)
+
+    # --- publishing -----------------------------------------------------------------------------
+
+    async def publish(self, subject: str, msg: Message, msg_id: str | None = None) -> api.PubAck:
+        headers = {MSG_ID: msg_id} if msg_id else None
+        return await self.js.publish(subject, encode(msg), headers=headers)
+
+    async def publish_many(
+        self, items: list[tuple[str, Message, str | None]], *, window: int = 2000
+    ) -> list[api.PubAck]:
+        """Async publishes with at most `window` unacknowledged; returns every PubAck in order."""
+        futures: list[asyncio.Future[api.PubAck]] = []
+        acks: list[api.PubAck] = []
+        for subject, msg, msg_id in items:
+            headers = {MSG_ID: msg_id} if msg_id else None
+            futures.append(await self.js.publish_async(subject, encode(msg), headers=headers))
+            if len(futures) >= window:
+                acks.extend(await asyncio.gather(*futures))
+                futures = []
+        acks.extend(await asyncio.gather(*futures))
+        return acks
+
+    async def publish_raw(self, subject: str, payload: bytes, msg_id: str | None = None) -> api.PubAck:
+        headers = {MSG_ID: msg_id} if msg_id else None
+        return await self.js.publish(subject, payload, headers=headers)
+
+    # --- reading logs ---------------------------------------------------------------------------
+
+    async def last_seq(self, stream: str) -> int:
+        return (await self.js.stream_info(stream)).state.last_seq
+
+    async def replay(
+        self, stream: str, subject: str, from_seq: int = 1, type: Any = None
+    ) -> AsyncIterator[tuple[int, Any]]:
+        """Every message on `subject` from `from_seq` up to the stream's end *now*, in order.
+
+        Yields (stream_seq, decoded message). Used to re-run a stage from the shard log.
+        """
+        end = await self.last_seq(stream)
+        seq = max(1, from_seq)
+        while seq <= end:
+            try:
+                raw = await self.js.get_msg(stream, seq=seq, subject=subject, next=True)
+            except nats.js.errors.NotFoundError:
+                return
+            if raw.seq is None or raw.seq > end:
+                return
+            yield raw.seq, decode(raw.data, type) if type is not None else decode(raw.data)
+            seq = raw.seq + 1
+
+    async def latest_per_subject(self, stream: str, subject: str, *, timeout_s: float = 2.0) -> list[tuple[int, Any]]:
+        """The last message of every subject matching `subject` (a wildcard), e.g. each worker's progress."""
+        out: list[tuple[int, Any]] = []
+        sub = await self.js.subscribe(
+            subject, stream=stream, ordered_consumer=True,
+            config=api.ConsumerConfig(deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT),
+        )
+        try:
+            info = await self.js.stream_info(stream, subjects_filter=subject)
+            expected = len(info.state.subjects or {})
+            while len(out) < expected:
+                try:
+                    m = await sub.next_msg(timeout=timeout_s)
+                except nats.errors.TimeoutError:
+                    break
+                with contextlib.suppress(MessageError):
+                    out.append((m.metadata.sequence.stream, decode(m.data)))
+                if m.metadata.num_pending == 0:
+                    break
+        finally:
+            await sub.unsubscribe()
+        return out
+
+    # --- dead letters ---------------------------------------------------------------------------
+
+    async def dead_letter(self, spec: ConsumerSpec, run: str, msg: Msg, error: str) -> None:
+        md = msg.metadata
+        letter = DeadLetter(
+            run=run, stage=spec.stage, stream=md.stream, subject=msg.subject, consumer=spec.durable,
+            stream_seq=md.sequence.stream, num_delivered=md.num_delivered, error=error[-4000:],
+            payload=bytes(msg.data),
+        )
+        # Idempotent: a second worker dead-lettering the same stream message publishes nothing new.
+        await self.publish(
+            Subjects.deadletter(run, spec.stage), letter, msg_id=f"dl:{md.stream}:{md.sequence.stream}"
+        )
+        await msg.term()
+        log.error("dead-lettered %s seq %d after %d deliveries: %s", md.stream, md.sequence.stream,
+                  md.num_delivered, error.splitlines()[-1] if error else "")
+
+    async def dead_letters(self, run: str, stage: str = "*") -> list[tuple[int, DeadLetter]]:
+        subject = f"dflash.{run}.{stage}.deadletter"
+        return [item async for item in self.replay("DEADLETTER", subject, 1, DeadLetter)]
+
+    async def replay_dead_letters(self, run: str, stage: str = "*", *, only: Callable[[DeadLetter], bool] | None = None) -> int:
+        """Put dead-lettered messages back where they came from; each is then removed from DEADLETTER.
+
+        The republish uses a msg id derived from the dead letter's own sequence, so a crash between
+        publish and delete (or two replays at once) publishes it once.
+        """
+        count = 0
+        for seq, letter in await self.dead_letters(run, stage):
+            if only is not None and not only(letter):
+                continue
+            await self.publish_raw(letter.subject, letter.payload, msg_id=f"replay:{letter.stream}:{letter.stream_seq}:{seq}")
+            with contextlib.suppress(nats.js.errors.NotFoundError):
+                await self.js.delete_msg("DEADLETTER", seq)
+            count += 1
+        return count
+
+    # --- the worker loop ------------------------------------------------------------------------
+
+    async def work(
+        self,
+        spec: ConsumerSpec,
+        handle: Callable[[Delivery], Awaitable[None]],
+        *,
+        run: str,
+        stop: asyncio.Event,
+        message_type: Any,
+        max_inflight: int = 16,
+        fetch_batch: int = 64,
+        grace_s: float = 30.0,
+        stats: WorkStats | None = None,
+    ) -> WorkStats:
+        """Run `handle` on every message of `spec` until `stop` is set; then finish or requeue in-flight work.
+
+        At most `max_inflight` handlers run at once (with the consumer's max_ack_pending this is the
+        backpressure). On stop: no more fetches, in-flight handlers get `grace_s` to finish, the
+        rest are cancelled and nak'ed so another worker takes them at once.
+        """
+        stats = stats or WorkStats()
+        await self.ensure_consumer(spec)
+        sub = await self.js.pull_subscribe_bind(durable=spec.durable, stream=spec.stream)
+        tasks: set[asyncio.Task[None]] = set()
+        stop_wait = asyncio.create_task(stop.wait())
+        try:
+            while not stop.is_set():
+                free = max_inflight - len(tasks)
+                if free <= 0:
+                    await asyncio.wait([*tasks, stop_wait], return_when=asyncio.FIRST_COMPLETED)
+                    continue
+                try:
+                    msgs = await sub.fetch(min(free, fetch_batch), timeout=1.0)
+                except nats.errors.TimeoutError:
+                    continue  # an empty fetch is normal
+                except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError,
+                        nats.js.errors.APIError, nats.errors.Error) as e:
+                    log.warning("fetch failed (%s); retrying", e)
+                    await asyncio.sleep(1.0)
+                    continue
+                for m in msgs:
+                    if stop.is_set():
+                        await m.nak()
+                        continue
+                    task = asyncio.create_task(self._handle_one(spec, handle, m, run, message_type, stats))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                stats.in_flight = len(tasks)
+            if tasks:
+                log.info("stopping: waiting up to %.0fs for %d in-flight messages", grace_s, len(tasks))
+                _, pending = await asyncio.wait(tasks, timeout=grace_s)
+                for task in pending:
+                    task.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
+        finally:
+            stop_wait.cancel()
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        stats.in_flight = 0
+        return stats
+
+    async def _handle_one(
+        self, spec: ConsumerSpec, handle: Callable[[Delivery], Awaitable[None]], msg: Msg, run: str,
+        message_type: Any, stats: WorkStats,
+    ) -> None:
+        md = msg.metadata
+        try:
+            data = decode(msg.data, message_type)
+        except MessageError as e:
+            await self.dead_letter(spec, run, msg, f"malformed payload: {e}")
+            stats.dead_lettered += 1
+            return
+        if md.num_delivered > spec.max_deliver:
+            await self.dead_letter(
+                spec, run, msg,
+                f"gave up after {md.num_delivered - 1} deliveries without an outcome "
+                "(the worker died or overran ack_wait each time)",
+            )
+            stats.dead_lettered += 1
+            return
+        heartbeat = asyncio.create_task(_heartbeat(msg, spec.ack_wait_s / 3))
+        try:
+            await handle(Delivery(msg, data, md.num_delivered, md.sequence.stream))
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await msg.nak()
+            stats.requeued_on_shutdown += 1
+            raise
+        except Poison as e:
+            stats.errors += 1
+            stats.last_error = str(e)
+            await self.dead_letter(spec, run, msg, f"poison: {e}")
+            stats.dead_lettered += 1
+        except Exception as e:
+            stats.errors += 1
+            error = f"{type(e).__name__}: {e}" if isinstance(e, Retry) else traceback.format_exc(limit=8)
+            stats.last_error = error.strip().splitlines()[-1]
+            if md.num_delivered >= spec.max_deliver:
+                await self.dead_letter(spec, run, msg, error)
+                stats.dead_lettered += 1
+            else:
+                delay = e.delay_s if isinstance(e, Retry) and e.delay_s is not None else backoff_delay(md.num_delivered)
+                log.warning("delivery %d of %s seq %d failed, retry in %.1fs: %s", md.num_delivered, md.stream,
+                            md.sequence.stream, delay, stats.last_error)
+                await msg.nak(delay=delay)
+                stats.retried += 1
+        else:
+            await msg.ack()
+            stats.acked += 1
+        finally:
+            heartbeat.cancel()
+
+
+async def _heartbeat(msg: Msg, every_s: float) -> None:
+    with contextlib.suppress(asyncio.CancelledError):
+        while True:
+            await asyncio.sleep(every_s)
+            with contextlib.suppress(Exception):
+                await msg.in_progress()
+
+
+@dataclass
+class ProgressLoop:
+    """Publishes a service's progress snapshot every `every_s` seconds (and once more at the end)."""
+
+    bus: Bus
+    subject: str
+    snapshot: Callable[[], Message]
+    every_s: float = 5.0
+    _task: asyncio.Task[None] | None = field(default=None, init=False)
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.every_s)
+            await self.publish_now()
+
+    async def publish_now(self) -> None:
+        try:
+            await self.bus.publish(self.subject, self.snapshot())
+        except Exception as e:  # progress must never take a service down
+            log.debug("progress publish failed: %s", e)
+
+    async def __aenter__(self) -> ProgressLoop:
+        await self.publish_now()
+        self._task = asyncio.create_task(self._loop())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._task:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self.publish_now()
+
+
+def install_stop_signals(stop: asyncio.Event) -> None:
+    """SIGTERM and SIGINT set `stop`: services stop fetching, finish in-flight work, drain, exit 0."""
+    import signal
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)

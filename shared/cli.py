@@ -1,0 +1,127 @@
+"""`dflash`: one entry point, one subcommand per job.
+
+Each service package contributes its subcommands through `register(sub, replay)` in its
+`cli` module, so a reader finds a command's whole story in the service it belongs to.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from shared.config import Config, ConfigError, load_config
+
+# Modules that add subcommands; each defines register(sub, replay).
+COMMAND_MODULES = (
+    "services.feeder.cli",
+    "services.generator.cli",
+    "services.tokenizer.cli",
+    "services.trainer.cli",
+    "services.pipeline.cli",
+    "dashboard.cli",
+    "shared.status",
+)
+
+
+def load(args: argparse.Namespace) -> Config:
+    """The validated config, pointed at the embedded stack when one is running."""
+    from shared.stack import connect_config
+
+    cfg = load_config(getattr(args, "config", None))
+    if getattr(args, "run", None):
+        import msgspec
+
+        from shared.messages import check_name
+
+        cfg = msgspec.structs.replace(cfg, run=check_name("run", args.run))
+    return connect_config(cfg)
+
+
+# --- dflash stack ------------------------------------------------------------------------------
+
+
+def _stack(args: argparse.Namespace) -> int:
+    from shared.config import data_dir
+    from shared.stack import EmbeddedStack, is_external, stack_down, stack_up
+
+    cfg = load_config(args.config)
+    if is_external():
+        print("external stack configured (DFLASH_NATS_URL / DFLASH_S3_ENDPOINT): nothing to start or stop")
+        print(f"  nats: {os.environ.get('DFLASH_NATS_URL', cfg.bus.url)}")
+        print(f"  s3:   {os.environ.get('DFLASH_S3_ENDPOINT', cfg.store.endpoint)}")
+        return 0
+    root = data_dir(cfg)
+    if args.action == "up":
+        stack = stack_up(cfg)
+        print(f"stack up (data in {root})")
+        print(f"  nats  {stack.nats_url}  pid {stack.pids['nats']}")
+        print(f"  s3    http://{stack.s3_endpoint}  bucket {stack.bucket}  pid {stack.pids['s3']}")
+        print(f"  credentials: {root / 'credentials'} (0600)" if not os.environ.get("AWS_ACCESS_KEY_ID")
+              else "  credentials: from AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY")
+        return 0
+    if args.action == "down":
+        stopped = stack_down(cfg)
+        print("stopped " + ", ".join(stopped) if stopped else f"no embedded stack recorded in {root}")
+        return 0
+    stack = EmbeddedStack.load(root)
+    if stack is None:
+        print(f"no embedded stack recorded in {root} (run `dflash stack up`)")
+        return 1
+    healthy = True
+    for name, st in stack.status().items():
+        mark = "healthy" if st["healthy"] else ("running, unhealthy" if st["alive"] else "not running")
+        healthy &= bool(st["healthy"])
+        print(f"  {name:5} port {st['port']:<6} pid {st['pid']:<8} {mark}")
+    return 0 if healthy else 1
+
+
+def _register_stack(sub: Any) -> None:
+    p = sub.add_parser("stack", help="the embedded nats-server + SeaweedFS S3 (up | status | down)")
+    p.add_argument("action", choices=["up", "status", "down"])
+    p.set_defaults(func=_stack)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dflash", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", "-c", default=None, help="TOML config file (default: $DFLASH_CONFIG)")
+    parser.add_argument("--log-level", default=os.environ.get("DFLASH_LOG_LEVEL", "INFO"))
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    replay_parser = sub.add_parser("replay", help="re-run a stage from the logs (dead letters, shards)")
+    replay = replay_parser.add_subparsers(dest="replay_target", required=True, metavar="STAGE")
+    _register_stack(sub)
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name and name.startswith(e.name):
+                continue  # that service is not part of this build
+            raise
+        module.register(sub, replay)
+    if not replay.choices:
+        sub._name_parser_map.pop("replay", None)  # no stage offers replay yet
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return int(func(args) or 0)
+    except ConfigError as e:
+        print(f"dflash: config error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,268 @@
+"""One typed configuration for every service: a TOML file plus `DFLASH_*` environment overrides.
+
+Precedence: defaults < TOML file (`--config` or `DFLASH_CONFIG`) < environment.
+Environment keys: `DFLASH_<SECTION>__<KEY>` (e.g. `DFLASH_GENERATOR__MAX_INFLIGHT=32`), values
+parsed as TOML scalars; plus the short aliases in `ENV_ALIASES` used by compose and clusters.
+Every section forbids unknown keys, so a typo fails at start with the key named.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+
+class ConfigError(ValueError):
+    pass
+
+
+class Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class BusConfig(Section):
+    url: str = "nats://127.0.0.1:4222"  # comma-separated for a cluster
+    connect_timeout_s: float = 5.0
+    reconnect_wait_s: float = 2.0
+    # Credentials come from the environment (DFLASH_NATS_USER/DFLASH_NATS_PASSWORD or DFLASH_NATS_TOKEN),
+    # or from a creds file; never from this file.
+    creds_file: str = ""
+    replicas: int = 1  # stream replicas: 3 on a JetStream cluster
+    progress_max_age_s: float = 30 * 86400.0  # a dashboard opened on day 3 still sees day 1
+    duplicate_window_s: float = 24 * 3600.0
+
+
+class StoreConfig(Section):
+    endpoint: str = "127.0.0.1:8333"  # host:port, or https://s3.amazonaws.com
+    bucket: str = "dflash"
+    secure: bool = False
+    region: str = "us-east-1"
+    # Credentials: AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, else this 0600 file (two lines: key, secret),
+    # else the embedded stack's generated file in the data dir.
+    credentials_file: str = ""
+    retry_deadline_s: float = 120.0  # transient faults are retried with backoff for this long
+    create_bucket: bool = True
+
+
+class StackConfig(Section):
+    data_dir: str = ""  # default: $XDG_DATA_HOME/dflash
+    host: str = "127.0.0.1"
+    nats_port: int = 4222
+    nats_monitor_port: int = 8222
+    s3_port: int = 8333
+    # weed mini opens about a dozen more ports; they are derived from this base unless set.
+    weed_port_base: int = 19300
+
+
+class ModelConfig(Section):
+    target: str = "smollm2"  # alias (see shared/model.py) or a local HF directory
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+
+
+class SamplingConfig(Section):
+    temperature: float = 0.7
+    top_p: float = 0.95
+    top_k: int = -1  # -1: off
+    max_new_tokens: int = 4096
+    enable_thinking: bool = False  # must match how the target will be served
+    seed: int = 0
+
+
+class FeederConfig(Section):
+    max_prompt_tokens: int = 8192
+    publish_window: int = 2000  # async publishes in flight before waiting for acks
+
+
+class GeneratorConfig(Section):
+    backend: Literal["hf", "sglang", "openai"] = "hf"
+    max_inflight: int = 16  # requests kept in flight so the engine never idles
+    batch_size: int = 8  # hf backend: prompts per generate() call
+    shard_records: int = 256
+    shard_seconds: float = 60.0
+    ack_wait_s: float = 60.0
+    max_deliver: int = 5
+    max_ack_pending: int = 256
+    engine_url: str = ""  # sglang/openai backends
+    engine_model: str = ""  # model name sent to an openai-compatible server
+    openai_endpoint: Literal["chat", "completions"] = "chat"
+    request_timeout_s: float = 600.0
+    launch: bool = False  # sglang: start `python -m sglang.launch_server` for this GPU
+    launch_args: list[str] = []  # passed through, e.g. speculative flags
+
+
+class TokenizerConfig(Section):
+    max_length: int = 4096
+    min_supervised_tokens: int = 0  # 0: 2 x trainer.block_size
+    truncated_policy: Literal["drop", "keep"] = "drop"
+    train_on_reasoning: bool = True
+    gate_window: int = 200
+    gate_threshold: float = 0.2
+    gate_override: bool = False  # keep going past a tripped gate (logged and shown, never silent)
+    max_ack_pending: int = 16
+
+
+class TrainerConfig(Section):
+    block_size: int = 16
+    num_layers: int = 5
+    num_feature_layers: int = 5
+    target_layer_ids: list[int] = []  # empty: the paper's rule
+    anchors_per_sequence: int = 512
+    lr: float = 6e-4
+    weight_decay: float = 0.0
+    warmup_ratio: float = 0.04
+    grad_clip: float = 1.0
+    grad_accum: int = 1
+    token_budget: int = 16384  # tokens per micro-batch of the target forward
+    epochs: int = 6
+    max_steps: int = 0  # 0: derived from epochs
+    max_length: int = 4096
+    checkpoint_every: int = 200
+    logits_chunk: int = 2048
+    seed: int = 0
+
+
+class DashboardConfig(Section):
+    host: str = "127.0.0.1"
+    port: int = 8501
+    silent_after_s: float = 60.0  # a worker with no heartbeat for this long turns red
+
+
+class Config(Section):
+    run: str = "default"
+    bus: BusConfig = msgspec.field(default_factory=BusConfig)
+    store: StoreConfig = msgspec.field(default_factory=StoreConfig)
+    stack: StackConfig = msgspec.field(default_factory=StackConfig)
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    sampling: SamplingConfig = msgspec.field(default_factory=SamplingConfig)
+    feeder: FeederConfig = msgspec.field(default_factory=FeederConfig)
+    generator: GeneratorConfig = msgspec.field(default_factory=GeneratorConfig)
+    tokenizer: TokenizerConfig = msgspec.field(default_factory=TokenizerConfig)
+    trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
+    dashboard: DashboardConfig = msgspec.field(default_factory=DashboardConfig)
+
+
+# Short names for the settings that deployments set most (compose, clusters, AWS).
+ENV_ALIASES: dict[str, tuple[str, ...]] = {
+    "DFLASH_RUN": ("run",),
+    "DFLASH_NATS_URL": ("bus", "url"),
+    "DFLASH_S3_ENDPOINT": ("store", "endpoint"),
+    "DFLASH_S3_BUCKET": ("store", "bucket"),
+    "DFLASH_S3_SECURE": ("store", "secure"),
+    "DFLASH_DATA_DIR": ("stack", "data_dir"),
+    "DFLASH_MODEL": ("model", "target"),
+}
+# DFLASH_* variables that are read elsewhere and are not config keys.
+ENV_NOT_CONFIG = {
+    "DFLASH_CONFIG",
+    "DFLASH_MODEL_CACHE",
+    "DFLASH_NATS_USER",
+    "DFLASH_NATS_PASSWORD",
+    "DFLASH_NATS_TOKEN",
+    "DFLASH_DASHBOARD_PASSWORD",
+    "DFLASH_LOG_LEVEL",
+}
+
+
+def _parse_env_value(raw: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def _set(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
+    for part in path[:-1]:
+        node = tree.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"config key {'.'.join(path)!r}: {part!r} is not a section")
+        tree = node
+    tree[path[-1]] = value
+
+
+def _env_overrides(env: dict[str, str]) -> list[tuple[str, tuple[str, ...], Any]]:
+    out = []
+    for name, raw in sorted(env.items()):
+        if not name.startswith("DFLASH_") or name in ENV_NOT_CONFIG:
+            continue
+        if name in ENV_ALIASES:
+            out.append((name, ENV_ALIASES[name], _parse_env_value(raw)))
+        elif "__" in name:
+            path = tuple(p.lower() for p in name[len("DFLASH_") :].split("__"))
+            out.append((name, path, _parse_env_value(raw)))
+        else:
+            known = ", ".join(sorted([*ENV_ALIASES, *ENV_NOT_CONFIG]))
+            raise ConfigError(
+                f"unknown environment variable {name}: use DFLASH_<SECTION>__<KEY> or one of {known}"
+            )
+    return out
+
+
+def _describe(err: msgspec.ValidationError, source: str) -> str:
+    # msgspec says e.g. "Object contains unknown field `x` - at `$.bus`" or "Expected `int`, got `str` - at `$.bus.port`"
+    text = str(err)
+    msg, _, where = text.partition(" - at `")
+    where = where.rstrip("`").removeprefix("$").lstrip(".")
+    if msg.startswith("Object contains unknown field"):
+        field = msg.split("`")[1]
+        key = f"{where}.{field}" if where else field
+        return f"{source}: unknown config key {key!r}"
+    return f"{source}: config key {where or '(root)'!r}: {msg}"
+
+
+def load_config(path: str | os.PathLike[str] | None = None, env: dict[str, str] | None = None) -> Config:
+    """Load and validate; raise ConfigError naming the key on any unknown key or wrong type."""
+    env = dict(os.environ if env is None else env)
+    path = path or env.get("DFLASH_CONFIG") or None
+    tree: dict[str, Any] = {}
+    source = "defaults"
+    if path:
+        p = Path(path)
+        try:
+            tree = tomllib.loads(p.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {p} does not exist") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {p} is not valid TOML: {e}") from None
+        source = str(p)
+        try:
+            msgspec.convert(tree, Config)
+        except msgspec.ValidationError as e:
+            raise ConfigError(_describe(e, source)) from None
+    for name, key_path, value in _env_overrides(env):
+        _set(tree, key_path, value)
+        try:
+            msgspec.convert(tree, Config)
+        except msgspec.ValidationError as e:
+            raise ConfigError(_describe(e, f"environment variable {name}")) from None
+    cfg = msgspec.convert(tree, Config)
+    from shared.messages import check_name
+
+    try:
+        check_name("run", cfg.run)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return cfg
+
+
+def config_to_dict(cfg: Config) -> dict[str, Any]:
+    return msgspec.to_builtins(cfg)
+
+
+def fingerprint(obj: Any, length: int = 12) -> str:
+    """A short stable hash of any msgspec-encodable value (config sections, sampling settings)."""
+    import hashlib
+
+    return hashlib.sha256(msgspec.json.encode(msgspec.to_builtins(obj), order="sorted")).hexdigest()[:length]
+
+
+def default_data_dir() -> Path:
+    base = os.environ.get("XDG_DATA_HOME", os.path.expanduser("~/.local/share"))
+    return Path(base) / "dflash"
+
+
+def data_dir(cfg: Config) -> Path:
+    return Path(cfg.stack.data_dir).expanduser() if cfg.stack.data_dir else default_data_dir()

@@ -1,0 +1,311 @@
+"""Every message that crosses the bus, and the subjects they travel on.
+
+Wire format: msgpack of a tagged msgspec Struct (`"type"` field). Decoding always goes
+through the typed decoders below, so a payload from elsewhere fails with a clear
+`MessageError` instead of a KeyError three functions later.
+
+Evolution rules (msgspec's schema-evolution doc):
+1. A new field always gets a default, so old payloads still decode.
+2. Never change an existing field's type; add a new field instead.
+3. Never reuse or rename a tag; tags are explicit, lowercase and stable.
+4. Wire structs do not forbid unknown fields, so old readers skip new fields.
+`v` is the schema version; a decoder refuses a payload from a newer major version.
+
+Subjects: `dflash.<run>.<stage>.<event>[.<worker>]`, see `Subjects`.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any, Literal
+
+import msgspec
+
+SCHEMA_VERSION = 1
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+
+
+def check_name(kind: str, value: str) -> str:
+    """Run and worker names become subject tokens and S3 path parts: no dots, wildcards or slashes."""
+    if not _NAME.match(value):
+        raise ValueError(
+            f"invalid {kind} name {value!r}: use 1-64 letters, digits, '_' or '-', starting with a letter or digit"
+        )
+    return value
+
+
+class Message(msgspec.Struct, tag_field="type", kw_only=True):
+    v: int = SCHEMA_VERSION
+    ts: float = msgspec.field(default_factory=time.time)
+
+
+class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+    reasoning: str | None = None  # an assistant turn's thinking, when the source or engine splits it
+
+
+# --- work --------------------------------------------------------------------------------------
+
+
+class PromptTask(Message, tag="prompt_task"):
+    """One conversation to complete: the target regenerates the last assistant turn."""
+
+    run: str
+    prompt_id: str  # sha256 of the normalized conversation (feeder), stable across re-feeds
+    messages: list[ChatMessage]
+    source: str = ""  # where it came from: path or s3:// URI
+    line: int = 0  # 1-based record number in the source
+
+    def __post_init__(self) -> None:
+        if not self.messages:
+            raise ValueError("a PromptTask needs at least one message")
+
+
+class ShardWritten(Message, tag="shard_written"):
+    """A completions shard is durably in S3 at `key`; its prompts may now be acked."""
+
+    run: str
+    key: str
+    worker: str
+    seq: int
+    num_records: int
+    prompt_ids: list[str]
+    sha256: str
+    size_bytes: int
+    completion_tokens: int = 0
+    truncated: int = 0  # records with finish_reason=length
+
+
+class TokenizedShard(Message, tag="tokenized_shard"):
+    """A tokenized shard (training samples) is durably in S3 at `key`."""
+
+    run: str
+    key: str
+    source_key: str  # the completions shard it was made from
+    fingerprint: str  # template/tokenizer fingerprint: part of the key, so re-tokenizing never overwrites
+    num_samples: int
+    num_tokens: int
+    num_supervised: int
+    sha256: str
+    dropped: dict[str, int] = {}
+    retokenization_drift: int = 0
+
+
+# --- progress ----------------------------------------------------------------------------------
+
+
+class FeederProgress(Message, tag="feeder_progress"):
+    run: str
+    worker: str
+    read: int = 0
+    accepted: int = 0
+    duplicates: int = 0
+    rejected: int = 0
+    published: int = 0  # new on the bus (not refused as a duplicate)
+    done: bool = False
+
+
+class GeneratorProgress(Message, tag="generator_progress"):
+    run: str
+    worker: str
+    completions: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    prompt_tokens_per_s: float = 0.0
+    completion_tokens_per_s: float = 0.0
+    in_flight: int = 0
+    errors: int = 0
+    shards: int = 0
+    finish_reasons: dict[str, int] = {}
+    spec_accept_length: float | None = None
+    state: str = "running"  # running | draining | stopped
+
+
+class TokenizerProgress(Message, tag="tokenizer_progress"):
+    run: str
+    worker: str
+    fingerprint: str = ""
+    shards: int = 0
+    samples_in: int = 0
+    samples_kept: int = 0
+    tokens: int = 0
+    supervised_tokens: int = 0
+    dropped: dict[str, int] = {}
+    retokenization_drift: int = 0
+    supervised_histogram: dict[str, int] = {}  # bucket lower bound (as str) -> count
+    gate_tripped: bool = False
+    state: str = "running"
+
+
+class TrainerProgress(Message, tag="trainer_progress"):
+    run: str
+    worker: str
+    step: int = 0
+    epoch: int = 0
+    loss: float = 0.0
+    lr: float = 0.0
+    position_accuracy: list[float] = []  # block slot 1..B-1
+    estimated_tau: float = 0.0
+    tokens_per_s: float = 0.0
+    target_forward_share: float = 0.0
+    samples_seen: int = 0
+    checkpoint_key: str | None = None
+    state: str = "running"
+
+
+class EvalReport(Message, tag="eval_report"):
+    run: str
+    worker: str = "eval"
+    checkpoint_key: str = ""
+    prompts: int = 0
+    tau: float = 0.0
+    acceptance_histogram: list[int] = []  # index = tokens accepted in a cycle (bonus included)
+    speedup: float = 0.0
+    lossless: bool = False
+    mismatches: int = 0
+
+
+class Alert(Message, tag="alert"):
+    """Something a person must look at: quality gate, crash loop, silent worker."""
+
+    run: str
+    stage: str
+    kind: str  # quality_gate | crash_loop | silent_worker | ...
+    message: str
+    severity: Literal["warning", "critical"] = "critical"
+    worker: str = ""
+    examples: list[str] = []
+
+
+# --- failures ----------------------------------------------------------------------------------
+
+
+class DeadLetter(Message, tag="dead_letter"):
+    """A message the pipeline gave up on, with everything needed to put it back."""
+
+    run: str
+    stage: str
+    stream: str
+    subject: str  # where the original was published; replay publishes there again
+    consumer: str
+    stream_seq: int
+    num_delivered: int
+    error: str
+    payload: bytes  # the original message, byte for byte
+
+
+AnyMessage = (
+    PromptTask
+    | ShardWritten
+    | TokenizedShard
+    | FeederProgress
+    | GeneratorProgress
+    | TokenizerProgress
+    | TrainerProgress
+    | EvalReport
+    | Alert
+    | DeadLetter
+)
+ProgressMessage = FeederProgress | GeneratorProgress | TokenizerProgress | TrainerProgress | EvalReport | Alert
+
+
+class MessageError(ValueError):
+    """A payload that is not a valid dflash message of the expected type."""
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoders: dict[Any, msgspec.msgpack.Decoder] = {}
+
+
+def encode(msg: Message) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes, type: Any = AnyMessage) -> Any:
+    """Decode a payload as `type` (a Message subclass or a union), or raise MessageError saying why."""
+    decoder = _decoders.get(type)
+    if decoder is None:
+        decoder = _decoders[type] = msgspec.msgpack.Decoder(type)
+    try:
+        msg = decoder.decode(data)
+    except msgspec.ValidationError as e:
+        raw = _peek(data)
+        if isinstance(raw, dict) and isinstance(raw.get("v"), int) and raw["v"] > SCHEMA_VERSION:
+            raise MessageError(
+                f"message schema v{raw['v']} is newer than this build's v{SCHEMA_VERSION}: upgrade dflash"
+            ) from None
+        if isinstance(raw, dict) and "type" in raw:
+            raise MessageError(f"invalid {raw['type']!r} message: {e}") from None
+        raise MessageError(f"not a dflash message ({e})") from None
+    except msgspec.DecodeError as e:
+        raise MessageError(f"not a dflash message: payload of {len(data)} bytes is not msgpack ({e})") from None
+    if msg.v > SCHEMA_VERSION:
+        raise MessageError(f"message schema v{msg.v} is newer than this build's v{SCHEMA_VERSION}: upgrade dflash")
+    return msg
+
+
+def _peek(data: bytes) -> Any:
+    try:
+        return msgspec.msgpack.decode(data)
+    except msgspec.DecodeError:
+        return None
+
+
+# --- subjects ----------------------------------------------------------------------------------
+
+
+class Subjects:
+    """The one subject naming scheme: `dflash.<run>.<stage>.<event>[.<worker>]`.
+
+    stage is one of feed, generate, tokenize, train, eval; progress subjects end with the
+    worker so that a LAST_PER_SUBJECT consumer yields every worker's latest state.
+    """
+
+    PREFIX = "dflash"
+
+    @staticmethod
+    def prompts(run: str) -> str:
+        return f"dflash.{check_name('run', run)}.generate.task"
+
+    @staticmethod
+    def shards(run: str) -> str:
+        return f"dflash.{check_name('run', run)}.generate.shard"
+
+    @staticmethod
+    def tokenized(run: str) -> str:
+        return f"dflash.{check_name('run', run)}.tokenize.shard"
+
+    @staticmethod
+    def progress(run: str, stage: str, worker: str) -> str:
+        return f"dflash.{check_name('run', run)}.{stage}.progress.{check_name('worker', worker)}"
+
+    @staticmethod
+    def all_progress(run: str = "*") -> str:
+        return f"dflash.{run}.*.progress.*"
+
+    @staticmethod
+    def alert(run: str, stage: str) -> str:
+        return f"dflash.{check_name('run', run)}.{stage}.alert"
+
+    @staticmethod
+    def all_alerts(run: str = "*") -> str:
+        return f"dflash.{run}.*.alert"
+
+    @staticmethod
+    def deadletter(run: str, stage: str) -> str:
+        return f"dflash.{check_name('run', run)}.{stage}.deadletter"
+
+    @staticmethod
+    def all_deadletters(run: str = "*") -> str:
+        return f"dflash.{run}.*.deadletter"
+
+    @staticmethod
+    def registry(run: str, prompt_id: str) -> str:
+        """One subject per prompt in the task registry: survives server restarts, unlike the dedupe window."""
+        return f"dflash.{check_name('run', run)}.registry.{prompt_id}"
+
+
+STAGES = ("feed", "generate", "tokenize", "train", "eval")
