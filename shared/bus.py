@@ -66,7 +66,7 @@ def streams(cfg: BusConfig) -> list[StreamSpec]:
             work_queue=True,
         ),
         StreamSpec(
-            "REGISTRY", ("dflash.*.registry.*",),
+            "REGISTRY", ("dflash.*.feed.registry.*",),
             "one message per fed prompt: dedupe that survives server restarts",
             max_msgs_per_subject=1, discard_new_per_subject=True, duplicate_window_s=120.0,
         ),

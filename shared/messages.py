@@ -305,7 +305,7 @@ class Subjects:
     @staticmethod
     def registry(run: str, prompt_id: str) -> str:
         """One subject per prompt in the task registry: survives server restarts, unlike the dedupe window."""
-        return f"dflash.{check_name('run', run)}.registry.{prompt_id}"
+        return f"dflash.{check_name('run', run)}.feed.registry.{prompt_id}"
 
 
 STAGES = ("feed", "generate", "tokenize", "train", "eval")

@@ -9,6 +9,7 @@ stack is external (compose, a cluster, AWS) and nothing is started.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -313,10 +314,8 @@ class _suppress_lookup:
 
 def _reap(pid: int) -> None:
     """Collect our own child's exit status (tests start the stack in-process)."""
-    try:
+    with contextlib.suppress(ChildProcessError):
         os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass
 
 
 # --- the CLI's view ------------------------------------------------------------------------------

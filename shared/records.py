@@ -1,0 +1,166 @@
+"""The two artifacts stages hand each other through S3: completion shards and tokenized shards.
+
+Both are Parquet, loadable with pandas and `datasets.load_dataset("parquet", ...)`.
+
+Dedupe rule (at-least-once delivery means a prompt can be completed twice, e.g. after a
+kill -9 between the shard write and the ack): readers keep **one record per prompt_id**,
+the first by the key (truncated, shard_key, row): a complete generation beats a truncated
+one, then the lexically smallest shard key, then the earliest row. The rule depends only on
+what is in S3, never on the order shards are read, so every reader agrees.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Iterable
+from typing import Any
+
+import msgspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from shared.messages import ChatMessage
+
+
+class CompletionRecord(msgspec.Struct, kw_only=True):
+    run: str
+    prompt_id: str
+    messages: list[ChatMessage]  # the conversation given to the target (everything before the regenerated turn)
+    completion: str  # the regenerated assistant answer (without reasoning when the engine splits it)
+    reasoning: str | None = None
+    output_ids: list[int] | None = None  # what the engine really emitted, stop token included when it returns it
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reason: str = "stop"  # stop | length | ...
+    model: str = ""
+    engine: str = ""
+    sampling_fingerprint: str = ""
+    worker: str = ""
+    attempt: int = 1
+    latency_s: float = 0.0
+    ts: float = 0.0
+
+    @property
+    def truncated(self) -> bool:
+        return self.finish_reason == "length"
+
+
+COMPLETION_SCHEMA = pa.schema([
+    ("run", pa.string()),
+    ("prompt_id", pa.string()),
+    ("messages", pa.string()),  # JSON list of {role, content[, reasoning]}
+    ("completion", pa.string()),
+    ("reasoning", pa.string()),
+    ("output_ids", pa.list_(pa.int32())),
+    ("prompt_tokens", pa.int32()),
+    ("completion_tokens", pa.int32()),
+    ("finish_reason", pa.string()),
+    ("truncated", pa.bool_()),
+    ("model", pa.string()),
+    ("engine", pa.string()),
+    ("sampling_fingerprint", pa.string()),
+    ("worker", pa.string()),
+    ("attempt", pa.int32()),
+    ("latency_s", pa.float64()),
+    ("ts", pa.float64()),
+])
+
+_msgs_encoder = msgspec.json.Encoder()
+_msgs_decoder = msgspec.json.Decoder(list[ChatMessage])
+
+
+class RecordError(ValueError):
+    pass
+
+
+def _to_parquet(table: pa.Table) -> bytes:
+    buf = io.BytesIO()
+    # Fixed writer settings so the same records always give the same bytes (deterministic shard content).
+    pq.write_table(table, buf, compression="snappy", write_statistics=False, store_schema=True)
+    return buf.getvalue()
+
+
+def completions_to_parquet(records: list[CompletionRecord]) -> bytes:
+    cols: dict[str, list[Any]] = {name: [] for name in COMPLETION_SCHEMA.names}
+    for r in records:
+        row = msgspec.structs.asdict(r)
+        row["messages"] = _msgs_encoder.encode(r.messages).decode()
+        row["truncated"] = r.truncated
+        for name in COMPLETION_SCHEMA.names:
+            cols[name].append(row[name])
+    return _to_parquet(pa.Table.from_pydict(cols, schema=COMPLETION_SCHEMA))
+
+
+def read_completions(data: bytes) -> list[CompletionRecord]:
+    try:
+        table = pq.read_table(io.BytesIO(data))
+    except (pa.ArrowInvalid, OSError) as e:
+        raise RecordError(f"not a readable Parquet completions shard: {e}") from None
+    missing = set(COMPLETION_SCHEMA.names) - {"truncated"} - set(table.column_names)
+    if missing:
+        raise RecordError(f"completions shard lacks columns {sorted(missing)}")
+    out = []
+    for row in table.to_pylist():
+        row.pop("truncated", None)
+        try:
+            row["messages"] = _msgs_decoder.decode(row["messages"])
+            out.append(msgspec.convert(row, CompletionRecord))
+        except (msgspec.ValidationError, msgspec.DecodeError) as e:
+            raise RecordError(f"bad completion record {row.get('prompt_id')!r}: {e}") from None
+    return out
+
+
+def dedupe_completions(shards: Iterable[tuple[str, list[CompletionRecord]]]) -> dict[str, CompletionRecord]:
+    """One record per prompt_id by the module's rule; input order does not matter."""
+    best: dict[str, tuple[tuple[bool, str, int], CompletionRecord]] = {}
+    for key, records in shards:
+        for row, rec in enumerate(records):
+            rank = (rec.truncated, key, row)
+            cur = best.get(rec.prompt_id)
+            if cur is None or rank < cur[0]:
+                best[rec.prompt_id] = (rank, rec)
+    return {pid: rec for pid, (_, rec) in best.items()}
+
+
+# --- tokenized samples ---------------------------------------------------------------------------
+
+
+class TokenizedSample(msgspec.Struct, kw_only=True):
+    prompt_id: str
+    input_ids: list[int]
+    loss_mask: list[int]  # 1 on tokens the assistant generated (reasoning if trained on, answer, end-of-turn)
+    num_tokens: int
+    num_supervised: int
+    truncated: bool = False  # cut to max_length by the tokenizer
+
+    def __post_init__(self) -> None:
+        if len(self.input_ids) != len(self.loss_mask):
+            raise ValueError(f"sample {self.prompt_id}: {len(self.input_ids)} ids but {len(self.loss_mask)} mask values")
+
+
+SAMPLE_SCHEMA = pa.schema([
+    ("prompt_id", pa.string()),
+    ("input_ids", pa.list_(pa.int32())),
+    ("loss_mask", pa.list_(pa.int8())),
+    ("num_tokens", pa.int32()),
+    ("num_supervised", pa.int32()),
+    ("truncated", pa.bool_()),
+])
+
+
+def samples_to_parquet(samples: list[TokenizedSample]) -> bytes:
+    cols: dict[str, list[Any]] = {name: [getattr(s, name) for s in samples] for name in SAMPLE_SCHEMA.names}
+    return _to_parquet(pa.Table.from_pydict(cols, schema=SAMPLE_SCHEMA))
+
+
+def read_samples(data: bytes) -> list[TokenizedSample]:
+    try:
+        table = pq.read_table(io.BytesIO(data))
+    except (pa.ArrowInvalid, OSError) as e:
+        raise RecordError(f"not a readable Parquet tokenized shard: {e}") from None
+    return [msgspec.convert(row, TokenizedSample) for row in table.to_pylist()]
+
+
+def jsonl_line(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, sort_keys=True) + "\n"
