@@ -116,13 +116,15 @@ def ensure_credentials(root: Path) -> tuple[str, str]:
 def _pid_alive(pid: int, binary: str) -> bool:
     """Alive *and* still our binary (a recycled pid is not ours to signal)."""
     try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
         stat = Path(f"/proc/{pid}/stat").read_text()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
     except (FileNotFoundError, ProcessLookupError, PermissionError):
         return False
-    if stat.rsplit(")", 1)[1].split()[0] == "Z":
+    if stat.rsplit(")", 1)[1].split()[0] in ("Z", "X"):
         return False
-    return os.path.basename(cmdline) == os.path.basename(binary)
+    if not cmdline:  # briefly empty while a fresh process is still mapping itself in
+        return True
+    return os.path.basename(cmdline.split(b"\0")[0].decode()) == os.path.basename(binary)
 
 
 class EmbeddedStack:
