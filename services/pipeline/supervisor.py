@@ -1,0 +1,145 @@
+"""Supervised service processes for `dflash run`: restart with backoff, report crash loops.
+
+Each service runs as its own OS process (one event loop each, faults isolated). A process
+that exits non-zero is restarted after an exponential backoff; `crash_limit` crashes inside
+`crash_window_s` is a crash loop: the service is not restarted again and the loop is
+reported (an Alert on the bus and the supervisor's own state), never hidden. A one-shot
+service (the feeder) that exits 0 is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger("dflash.supervisor")
+
+
+@dataclass
+class ServiceSpec:
+    name: str
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    one_shot: bool = False  # exit 0 means done, not "restart me"
+
+
+@dataclass
+class ServiceState:
+    spec: ServiceSpec
+    pid: int | None = None
+    starts: int = 0
+    crashes: deque[float] = field(default_factory=deque)
+    last_exit: int | None = None
+    state: str = "pending"  # pending | running | backoff | done | crash_loop | stopped
+    proc: asyncio.subprocess.Process | None = None
+
+
+class Supervisor:
+    def __init__(
+        self,
+        specs: list[ServiceSpec],
+        log_dir: Path,
+        *,
+        crash_limit: int = 5,
+        crash_window_s: float = 300.0,
+        backoff_base_s: float = 1.0,
+        backoff_cap_s: float = 60.0,
+        grace_s: float = 30.0,
+        on_crash_loop: Callable[[ServiceState], Awaitable[None]] | None = None,
+    ) -> None:
+        self.services = {s.name: ServiceState(s) for s in specs}
+        self.log_dir = Path(log_dir)
+        self.crash_limit = crash_limit
+        self.crash_window_s = crash_window_s
+        self.backoff_base_s = backoff_base_s
+        self.backoff_cap_s = backoff_cap_s
+        self.grace_s = grace_s
+        self.on_crash_loop = on_crash_loop
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stopping = asyncio.Event()
+
+    async def _spawn(self, st: ServiceState) -> asyncio.subprocess.Process:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        logf = open(self.log_dir / f"{st.spec.name}.log", "ab")  # noqa: SIM115 - handed to the child
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *st.spec.argv, stdout=logf, stderr=asyncio.subprocess.STDOUT, stdin=asyncio.subprocess.DEVNULL,
+                env={**os.environ, **st.spec.env}, start_new_session=True,
+            )
+        finally:
+            logf.close()
+        st.proc, st.pid, st.state = proc, proc.pid, "running"
+        st.starts += 1
+        log.info("started %s (pid %d, start #%d)", st.spec.name, proc.pid, st.starts)
+        return proc
+
+    async def _watch(self, st: ServiceState) -> None:
+        while not self._stopping.is_set():
+            proc = await self._spawn(st)
+            code = await proc.wait()
+            st.last_exit, st.pid, st.proc = code, None, None
+            if self._stopping.is_set():
+                st.state = "stopped"
+                return
+            if code == 0 and st.spec.one_shot:
+                st.state = "done"
+                log.info("%s finished", st.spec.name)
+                return
+            now = time.monotonic()
+            st.crashes.append(now)
+            while st.crashes and now - st.crashes[0] > self.crash_window_s:
+                st.crashes.popleft()
+            if len(st.crashes) >= self.crash_limit:
+                st.state = "crash_loop"
+                log.error("%s is crash-looping (%d exits in %.0fs, last code %s): not restarting; see %s",
+                          st.spec.name, len(st.crashes), self.crash_window_s, code,
+                          self.log_dir / f"{st.spec.name}.log")
+                if self.on_crash_loop is not None:
+                    await self.on_crash_loop(st)
+                return
+            delay = min(self.backoff_cap_s, self.backoff_base_s * 2 ** (len(st.crashes) - 1))
+            st.state = "backoff"
+            log.warning("%s exited with %s; restarting in %.1fs", st.spec.name, code, delay)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), timeout=delay)
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._watch(st)) for st in self.services.values()]
+
+    def state(self) -> dict[str, str]:
+        return {name: st.state for name, st in self.services.items()}
+
+    async def stop_service(self, name: str) -> None:
+        """SIGTERM one service (it drains and exits 0), SIGKILL after the grace period."""
+        st = self.services[name]
+        proc = st.proc
+        if proc is None or proc.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(proc.wait(), timeout=self.grace_s)
+        except asyncio.TimeoutError:
+            log.warning("%s did not stop within %.0fs; killing", name, self.grace_s)
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+
+    async def stop(self) -> None:
+        self._stopping.set()
+        await asyncio.gather(*(self.stop_service(n) for n in self.services))
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def wait(self, name: str) -> str:
+        """Wait until a service is finished for good (done, crash_loop or stopped)."""
+        while self.services[name].state not in ("done", "crash_loop", "stopped"):
+            await asyncio.sleep(0.2)
+        return self.services[name].state
