@@ -127,7 +127,7 @@ class Supervisor:
             proc.send_signal(signal.SIGTERM)
         try:
             await asyncio.wait_for(proc.wait(), timeout=self.grace_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.warning("%s did not stop within %.0fs; killing", name, self.grace_s)
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()

@@ -1,4 +1,7 @@
-import json, random
+"""Regenerates prompts.jsonl (run from the repository root): python services/pipeline/data/make_prompts.py"""
+import json
+import random
+
 rng = random.Random(20261202)
 topics = ["photosynthesis","black holes","the water cycle","compound interest","vaccines","plate tectonics","the French Revolution","machine learning","blockchains","climate change","the immune system","electric cars","the printing press","volcanoes","honeybees","the internet","democracy","inflation","DNA","the Moon landing","coral reefs","sleep","coffee","recycling","the Roman Empire","quantum computing","solar panels","earthquakes","the stock market","meditation","rainbows","tides","antibiotics","the Great Wall of China","jazz music","chess","gravity","the Renaissance","cloud computing","nuclear fusion"]
 audiences = ["a ten-year-old","a busy manager","a first-year university student","my grandmother","a software engineer"]
@@ -23,11 +26,11 @@ for a, b in pairs:
     out.append({"prompt": f"What is the difference between {a} and {b}?"})
 names = ["Ana","Ben","Chen","Dara","Eli","Fatima","Goran","Hana","Ivo","Jun"]
 items = ["apples","pencils","marbles","stickers","books","cookies"]
-for i in range(60):
+for _i in range(60):
     n, it = rng.choice(names), rng.choice(items)
     x, y, z = rng.randint(3, 40), rng.randint(2, 9), rng.randint(1, 12)
     out.append({"prompt": f"{n} has {x} {it}, buys {y} packs of {z} more, then gives away half. How many {it} does {n} have now? Show your reasoning."})
-for i in range(30):
+for _i in range(30):
     a, b = rng.randint(12, 99), rng.randint(12, 99)
     out.append({"prompt": f"What is {a} times {b}? Explain how you computed it."})
 for t in topics[:20]:
@@ -40,11 +43,13 @@ for s in skills:
 for t in topics:
     out.append({"prompt": f"Write a one-paragraph story in which {t} plays a key role."})
     out.append({"instruction": "Summarize the following topic in one sentence.", "input": t})
-seen = set(); uniq = []
+seen = set()
+uniq = []
 for o in out:
     k = json.dumps(o, sort_keys=True)
     if k not in seen:
-        seen.add(k); uniq.append(o)
+        seen.add(k)
+        uniq.append(o)
 with open("services/pipeline/data/prompts.jsonl", "w") as f:
     for o in uniq:
         f.write(json.dumps(o, ensure_ascii=False) + "\n")
