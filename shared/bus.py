@@ -178,7 +178,7 @@ class Bus:
             opts["user_credentials"] = cfg.creds_file
 
         async def _disconnected() -> None:
-            log.warning("disconnected from NATS; reconnecting")
+            log.info("disconnected from NATS (reconnecting unless closing)")
 
         async def _reconnected() -> None:
             log.info("reconnected to NATS")
@@ -396,7 +396,7 @@ class Bus:
                     continue
                 try:
                     msgs = await sub.fetch(min(free, fetch_batch), timeout=1.0)
-                except nats.errors.TimeoutError:
+                except TimeoutError:  # nats.errors.TimeoutError, or asyncio's from a fetch deadline
                     continue  # an empty fetch is normal
                 except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError,
                         nats.js.errors.APIError, nats.errors.Error) as e:

@@ -1,0 +1,158 @@
+"""The bus against a real nats-server: dedupe, redelivery, nak, dead letters, replay."""
+
+import asyncio
+
+import pytest
+
+from shared.bus import Bus, Poison, Retry, WorkStats, consumer_for
+from shared.messages import ChatMessage, PromptTask, ShardWritten, Subjects
+
+
+def task(run: str, pid: str) -> PromptTask:
+    return PromptTask(run=run, prompt_id=pid, messages=[ChatMessage(role="user", content=f"q {pid}")])
+
+
+async def test_republished_msg_id_is_a_duplicate(bus, cfg):
+    subject = Subjects.prompts(cfg.run)
+    first = await bus.publish(subject, task(cfg.run, "p1"), msg_id=f"{cfg.run}:p1")
+    again = await bus.publish(subject, task(cfg.run, "p1"), msg_id=f"{cfg.run}:p1")
+    assert not first.duplicate and again.duplicate is True and again.seq == first.seq
+    acks = await bus.publish_many([(subject, task(cfg.run, f"p{i}"), f"{cfg.run}:p{i}") for i in range(1, 6)])
+    assert [bool(a.duplicate) for a in acks] == [True, False, False, False, False]
+
+
+async def run_worker(bus, spec, run, handle, *, until, timeout=30.0, **kw):
+    stop = asyncio.Event()
+    stats = WorkStats()
+    worker = asyncio.create_task(bus.work(spec, handle, run=run, stop=stop, message_type=PromptTask, stats=stats, **kw))
+    try:
+        async with asyncio.timeout(timeout):
+            while not until(stats):
+                await asyncio.sleep(0.05)
+    finally:
+        stop.set()
+        await worker
+    return stats
+
+
+async def test_unacked_message_is_redelivered_to_another_worker(cfg, bus):
+    spec = consumer_for("generate", cfg.run, ack_wait_s=2.0)
+    await bus.publish(Subjects.prompts(cfg.run), task(cfg.run, "a"), msg_id=f"{cfg.run}:a")
+    # worker 1 takes the message and dies (its connection closes) without an outcome
+    dying = await Bus.connect(cfg.bus, "dying")
+    await dying.ensure_consumer(spec)
+    sub = await dying.js.pull_subscribe_bind(durable=spec.durable, stream=spec.stream)
+    (msg,) = await sub.fetch(1, timeout=5)
+    assert msg.metadata.num_delivered == 1
+    await dying.nc.close()
+    seen = []
+
+    async def handle(d):
+        seen.append((d.data.prompt_id, d.num_delivered))
+
+    stats = await run_worker(bus, spec, cfg.run, handle, until=lambda s: s.acked == 1)
+    assert seen == [("a", 2)] and stats.acked == 1
+
+
+async def test_nak_retries_then_dead_letter_then_replay_once(cfg, bus):
+    spec = consumer_for("generate", cfg.run, ack_wait_s=5.0, max_deliver=3)
+    await bus.publish(Subjects.prompts(cfg.run), task(cfg.run, "bad"), msg_id=f"{cfg.run}:bad")
+    attempts = []
+
+    async def always_fails(d):
+        attempts.append(d.num_delivered)
+        raise Retry("engine timed out", delay_s=0.1)
+
+    stats = await run_worker(bus, spec, cfg.run, always_fails, until=lambda s: s.dead_lettered == 1)
+    assert attempts == [1, 2, 3] and stats.retried == 2
+    letters = await bus.dead_letters(cfg.run)
+    assert len(letters) == 1
+    _, letter = letters[0]
+    assert "engine timed out" in letter.error and letter.num_delivered == 3 and letter.stage == "generate"
+    info = await bus.js.consumer_info("PROMPTS", spec.durable)
+    assert info.num_pending == 0 and info.num_ack_pending == 0  # terminated: gone from the work queue
+
+    assert await bus.replay_dead_letters(cfg.run) == 1
+    assert await bus.replay_dead_letters(cfg.run) == 0  # idempotent: the letter is gone
+    got = []
+
+    async def ok(d):
+        got.append(d.data.prompt_id)
+
+    await run_worker(bus, spec, cfg.run, ok, until=lambda s: s.acked == 1)
+    assert got == ["bad"]
+
+
+async def test_poison_and_malformed_payloads_are_dead_lettered_at_once(cfg, bus):
+    spec = consumer_for("generate", cfg.run)
+    await bus.publish(Subjects.prompts(cfg.run), task(cfg.run, "poison"), msg_id=f"{cfg.run}:poison")
+    await bus.publish_raw(Subjects.prompts(cfg.run), b"\xc1 not msgpack")
+
+    async def handle(d):
+        raise Poison("prompt longer than the engine's context")
+
+    stats = await run_worker(bus, spec, cfg.run, handle, until=lambda s: s.dead_lettered == 2)
+    errors = sorted(letter.error for _, letter in await bus.dead_letters(cfg.run))
+    assert errors[0].startswith("malformed payload: not a dflash message")
+    assert errors[1] == "poison: prompt longer than the engine's context"
+    assert stats.acked == 0
+
+
+async def test_message_past_max_deliver_without_outcome_is_dead_lettered(cfg, bus):
+    spec = consumer_for("generate", cfg.run, ack_wait_s=1.0, max_deliver=1)
+    await bus.publish(Subjects.prompts(cfg.run), task(cfg.run, "x"), msg_id=f"{cfg.run}:x")
+    dying = await Bus.connect(cfg.bus, "dying")
+    await dying.ensure_consumer(spec)
+    sub = await dying.js.pull_subscribe_bind(durable=spec.durable, stream=spec.stream)
+    await sub.fetch(1, timeout=5)
+    await dying.nc.close()
+
+    async def never_called(d):
+        raise AssertionError("must not run a message past max_deliver")
+
+    await run_worker(bus, spec, cfg.run, never_called, until=lambda s: s.dead_lettered == 1)
+    (_, letter), = await bus.dead_letters(cfg.run)
+    assert "without an outcome" in letter.error
+
+
+async def test_shard_log_replays_from_a_sequence(cfg, bus):
+    subject = Subjects.shards(cfg.run)
+    seqs = []
+    for i in range(5):
+        ack = await bus.publish(subject, ShardWritten(
+            run=cfg.run, key=f"k{i}", worker="w", seq=i, num_records=1, prompt_ids=[f"p{i}"], sha256="0", size_bytes=1,
+        ), msg_id=f"k{i}")
+        seqs.append(ack.seq)
+    got = [(seq, m.key) async for seq, m in bus.replay("SHARDS", subject, seqs[2], ShardWritten)]
+    assert got == [(seqs[i], f"k{i}") for i in (2, 3, 4)]
+
+
+async def test_in_flight_work_is_requeued_on_shutdown(cfg, bus):
+    spec = consumer_for("generate", cfg.run, ack_wait_s=30.0)
+    await bus.publish(Subjects.prompts(cfg.run), task(cfg.run, "slow"), msg_id=f"{cfg.run}:slow")
+    started = asyncio.Event()
+
+    async def slow(d):
+        started.set()
+        await asyncio.sleep(60)
+
+    stop = asyncio.Event()
+    stats = WorkStats()
+    worker = asyncio.create_task(bus.work(spec, slow, run=cfg.run, stop=stop, message_type=PromptTask, stats=stats, grace_s=0.2))
+    await asyncio.wait_for(started.wait(), 10)
+    stop.set()
+    await worker
+    assert stats.requeued_on_shutdown == 1
+    got = []
+
+    async def fast(d):
+        got.append(d.num_delivered)
+
+    await run_worker(bus, spec, cfg.run, fast, until=lambda s: s.acked == 1, timeout=10)
+    assert got == [2]  # back at once (nak), not after ack_wait
+
+
+@pytest.mark.parametrize("stage", ["generate", "tokenize", "train"])
+def test_each_stage_has_its_own_durable(stage):
+    spec = consumer_for(stage, "r1")
+    assert spec.durable == f"{stage}-r1" and spec.filter_subject.startswith("dflash.r1.")
