@@ -197,7 +197,10 @@ class Store:
 
     def ping(self, deadline_s: float = 3.0) -> None:
         """Raise unless the endpoint answers an authenticated request within `deadline_s`."""
-        self._call("bucket_exists", lambda: self.client.bucket_exists(self.bucket), deadline_s=deadline_s)
+        if not self._call("bucket_exists", lambda: self.client.bucket_exists(self.bucket), deadline_s=deadline_s):
+            raise StoreError(
+                f"bucket {self.bucket!r} does not exist at {self.endpoint} (create it, or set store.create_bucket)"
+            )
 
     # --- write --------------------------------------------------------------------------------
 
