@@ -81,6 +81,13 @@ def _to_parquet(table: pa.Table) -> bytes:
     return buf.getvalue()
 
 
+def _read_table(data: bytes, what: str) -> pa.Table:
+    try:
+        return pq.read_table(io.BytesIO(data))
+    except (pa.ArrowInvalid, OSError) as e:
+        raise RecordError(f"not a readable Parquet {what}: {e}") from None
+
+
 def completions_to_parquet(records: list[CompletionRecord]) -> bytes:
     cols: dict[str, list[Any]] = {name: [] for name in COMPLETION_SCHEMA.names}
     for r in records:
@@ -93,10 +100,7 @@ def completions_to_parquet(records: list[CompletionRecord]) -> bytes:
 
 
 def read_completions(data: bytes) -> list[CompletionRecord]:
-    try:
-        table = pq.read_table(io.BytesIO(data))
-    except (pa.ArrowInvalid, OSError) as e:
-        raise RecordError(f"not a readable Parquet completions shard: {e}") from None
+    table = _read_table(data, "completions shard")
     missing = set(COMPLETION_SCHEMA.names) - {"truncated"} - set(table.column_names)
     if missing:
         raise RecordError(f"completions shard lacks columns {sorted(missing)}")
@@ -155,10 +159,7 @@ def samples_to_parquet(samples: list[TokenizedSample]) -> bytes:
 
 
 def read_samples(data: bytes) -> list[TokenizedSample]:
-    try:
-        table = pq.read_table(io.BytesIO(data))
-    except (pa.ArrowInvalid, OSError) as e:
-        raise RecordError(f"not a readable Parquet tokenized shard: {e}") from None
+    table = _read_table(data, "tokenized shard")
     return [msgspec.convert(row, TokenizedSample) for row in table.to_pylist()]
 
 
