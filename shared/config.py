@@ -92,6 +92,9 @@ class GeneratorConfig(Section):
     request_timeout_s: float = 600.0
     launch: bool = False  # sglang: start `python -m sglang.launch_server` for this GPU
     launch_args: list[str] = []  # passed through, e.g. speculative flags
+    max_context_tokens: int = 0  # prompt + max_new_tokens limit; 0: the model's own (hf backend)
+    drain_s: float = 60.0  # on SIGTERM: how long in-flight generations may finish before they are requeued
+    progress_every_s: float = 3.0
 
 
 class TokenizerConfig(Section):

@@ -58,6 +58,7 @@ class PromptTask(Message, tag="prompt_task"):
     messages: list[ChatMessage]
     source: str = ""  # where it came from: path or s3:// URI
     line: int = 0  # 1-based record number in the source
+    generation: int = 0  # >0: a deliberate regeneration (`dflash replay generate --shard`); wins on dedupe
 
     def __post_init__(self) -> None:
         if not self.messages:
@@ -116,6 +117,7 @@ class GeneratorProgress(Message, tag="generator_progress"):
     completion_tokens: int = 0
     prompt_tokens_per_s: float = 0.0
     completion_tokens_per_s: float = 0.0
+    completions_per_s: float = 0.0
     in_flight: int = 0
     errors: int = 0
     shards: int = 0

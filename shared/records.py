@@ -4,8 +4,9 @@ Both are Parquet, loadable with pandas and `datasets.load_dataset("parquet", ...
 
 Dedupe rule (at-least-once delivery means a prompt can be completed twice, e.g. after a
 kill -9 between the shard write and the ack): readers keep **one record per prompt_id**,
-the first by the key (truncated, shard_key, row): a complete generation beats a truncated
-one, then the lexically smallest shard key, then the earliest row. The rule depends only on
+the first by the key (-generation, truncated, shard_key, row): a deliberate regeneration
+(`dflash replay generate --shard`, generation ≥ 1) beats what it replaces, then a complete
+generation beats a truncated one, then the lexically smallest shard key, then the earliest row. The rule depends only on
 what is in S3, never on the order shards are read, so every reader agrees.
 """
 
@@ -38,6 +39,7 @@ class CompletionRecord(msgspec.Struct, kw_only=True):
     sampling_fingerprint: str = ""
     worker: str = ""
     attempt: int = 1
+    generation: int = 0  # 0: first generation; n: the n-th deliberate regeneration of a bad shard
     latency_s: float = 0.0
     ts: float = 0.0
 
@@ -62,6 +64,7 @@ COMPLETION_SCHEMA = pa.schema([
     ("sampling_fingerprint", pa.string()),
     ("worker", pa.string()),
     ("attempt", pa.int32()),
+    ("generation", pa.int32()),
     ("latency_s", pa.float64()),
     ("ts", pa.float64()),
 ])
@@ -101,12 +104,14 @@ def completions_to_parquet(records: list[CompletionRecord]) -> bytes:
 
 def read_completions(data: bytes) -> list[CompletionRecord]:
     table = _read_table(data, "completions shard")
-    missing = set(COMPLETION_SCHEMA.names) - {"truncated"} - set(table.column_names)
+    missing = set(COMPLETION_SCHEMA.names) - {"truncated", "generation"} - set(table.column_names)
     if missing:
         raise RecordError(f"completions shard lacks columns {sorted(missing)}")
     out = []
     for row in table.to_pylist():
         row.pop("truncated", None)
+        if row.get("generation") is None:
+            row["generation"] = 0
         try:
             row["messages"] = _msgs_decoder.decode(row["messages"])
             out.append(msgspec.convert(row, CompletionRecord))
@@ -117,10 +122,10 @@ def read_completions(data: bytes) -> list[CompletionRecord]:
 
 def dedupe_completions(shards: Iterable[tuple[str, list[CompletionRecord]]]) -> dict[str, CompletionRecord]:
     """One record per prompt_id by the module's rule; input order does not matter."""
-    best: dict[str, tuple[tuple[bool, str, int], CompletionRecord]] = {}
+    best: dict[str, tuple[tuple[int, bool, str, int], CompletionRecord]] = {}
     for key, records in shards:
         for row, rec in enumerate(records):
-            rank = (rec.truncated, key, row)
+            rank = (-rec.generation, rec.truncated, key, row)
             cur = best.get(rec.prompt_id)
             if cur is None or rank < cur[0]:
                 best[rec.prompt_id] = (rank, rec)

@@ -1,0 +1,85 @@
+"""Inference backends behind one small interface, so the generator loop never knows which engine runs.
+
+- `hf`: in-process transformers, batched (the embedded default, CPU or GPU).
+- `sglang`: SGLang's native `/generate`, token ids in and out (token-exact).
+- `openai`: any OpenAI-compatible server (vLLM, SGLang, llama.cpp, `transformers serve`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import msgspec
+
+from shared.config import Config
+from shared.messages import ChatMessage
+
+
+class GenRequest(msgspec.Struct, kw_only=True):
+    prompt_id: str
+    messages: list[ChatMessage]
+    attempt: int = 1
+
+
+class GenResult(msgspec.Struct, kw_only=True):
+    text: str
+    reasoning: str | None = None
+    output_ids: list[int] | None = None  # as emitted, the stop token included when the engine keeps it
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reason: str = "stop"
+    spec_accept_length: float | None = None
+
+
+class EngineError(RuntimeError):
+    """A transient engine failure (timeout, 5xx, connection refused): retried with backoff."""
+
+
+class PromptRefused(ValueError):
+    """The engine refused this prompt itself (e.g. HTTP 400: too long): retrying will not help."""
+
+
+class Backend(Protocol):
+    engine: str  # e.g. "hf", "sglang", "openai:vllm"
+    model: str
+
+    async def start(self) -> None: ...
+
+    async def generate(self, req: GenRequest) -> GenResult: ...
+
+    async def close(self) -> None: ...
+
+
+def chat_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    return [{"role": m.role, "content": m.content} for m in messages]
+
+
+def render_prompt(tokenizer: Any, messages: list[ChatMessage], enable_thinking: bool) -> str:
+    """The conversation in the target's own chat template, ending with the assistant generation prompt."""
+    return tokenizer.apply_chat_template(
+        chat_dicts(messages), tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking
+    )
+
+
+def split_reasoning(text: str, open_tag: str = "<think>", close_tag: str = "</think>") -> tuple[str, str | None]:
+    """(answer, reasoning) for an engine that returned a thinking block inline; (text, None) otherwise."""
+    head, sep, tail = text.partition(close_tag)
+    if not sep:
+        return text, None
+    reasoning = head.split(open_tag, 1)[-1].strip()
+    return tail.lstrip("\n"), reasoning
+
+
+def make_backend(cfg: Config, *, gpu: int | None = None) -> Backend:
+    kind = cfg.generator.backend
+    if kind == "hf":
+        from .hf import HFBackend
+
+        return HFBackend(cfg, gpu=gpu)
+    if kind == "sglang":
+        from .sglang import SGLangBackend
+
+        return SGLangBackend(cfg, gpu=gpu)
+    from .openai import OpenAIBackend
+
+    return OpenAIBackend(cfg)

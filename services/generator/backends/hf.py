@@ -1,0 +1,148 @@
+"""In-process transformers, batched: requests that arrive together share one `generate()` call.
+
+The model runs in one worker thread (the event loop stays free for heartbeats and acks); while a
+batch generates, the next requests queue up and go out together as soon as it returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import Any
+
+from shared.config import Config
+
+from . import GenRequest, GenResult, PromptRefused, render_prompt, split_reasoning
+
+log = logging.getLogger("dflash.generator.hf")
+
+
+class HFBackend:
+    engine = "hf"
+
+    def __init__(self, cfg: Config, *, gpu: int | None = None) -> None:
+        self.cfg = cfg
+        self.model = cfg.model.target
+        self.device = cfg.model.device
+        if gpu is not None:
+            self.device = f"cuda:{gpu}"
+        self.batch_size = max(1, cfg.generator.batch_size)
+        self._queue: asyncio.Queue[tuple[GenRequest, asyncio.Future[GenResult]]] = asyncio.Queue()
+        self._task: asyncio.Task[None] | None = None
+        self._lock = threading.Lock()
+        self._batches = 0
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self._load)
+        self._task = asyncio.create_task(self._batcher())
+
+    def _load(self) -> None:
+        import torch
+
+        from shared.model import load_causal_lm, load_tokenizer
+
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.tok = load_tokenizer(self.model)
+        self.tok.padding_side = "left"
+        self.lm = load_causal_lm(self.model, device=self.device)
+        eos = self.lm.generation_config.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos if eos is not None else self.tok.eos_token_id])
+        self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else min(self.eos_ids)
+
+    async def close(self) -> None:
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        while not self._queue.empty():
+            _, fut = self._queue.get_nowait()
+            if not fut.done():
+                fut.cancel()
+
+    async def generate(self, req: GenRequest) -> GenResult:
+        fut: asyncio.Future[GenResult] = asyncio.get_running_loop().create_future()
+        await self._queue.put((req, fut))
+        return await fut
+
+    async def _batcher(self) -> None:
+        while True:
+            batch = [await self._queue.get()]
+            await asyncio.sleep(0)  # let requests that arrive in the same tick join
+            while len(batch) < self.batch_size and not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            live = [(r, f) for r, f in batch if not f.cancelled()]
+            if not live:
+                continue
+            try:
+                results = await asyncio.to_thread(self.generate_batch, [r for r, _ in live])
+            except Exception as e:
+                if len(live) == 1:
+                    results = [e]
+                else:  # isolate the request that broke the batch: the others must not fail with it
+                    log.warning("batch of %d failed (%s); retrying one by one", len(live), e)
+                    results = []
+                    for r, _ in live:
+                        try:
+                            results.extend(await asyncio.to_thread(self.generate_batch, [r]))
+                        except Exception as one:
+                            results.append(one)
+            for (_, fut), res in zip(live, results, strict=True):
+                if fut.done():
+                    continue
+                if isinstance(res, BaseException):
+                    fut.set_exception(res)
+                else:
+                    fut.set_result(res)
+
+    def encode(self, req: GenRequest) -> list[int]:
+        text = render_prompt(self.tok, req.messages, self.cfg.sampling.enable_thinking)
+        return self.tok(text, add_special_tokens=False)["input_ids"]
+
+    @property
+    def context_limit(self) -> int:
+        return self.cfg.generator.max_context_tokens or int(getattr(self.lm.config, "max_position_embeddings", 0))
+
+    def generate_batch(self, reqs: list[GenRequest]) -> list[GenResult]:
+        """Blocking: one padded `generate()` for the whole batch (called from a worker thread)."""
+        import torch
+
+        s = self.cfg.sampling
+        prompts = [self.encode(r) for r in reqs]
+        limit = self.context_limit
+        too_long = [i for i, p in enumerate(prompts) if limit and len(p) + s.max_new_tokens > limit]
+        if too_long:
+            if len(reqs) == 1:
+                raise PromptRefused(f"prompt of {len(prompts[0])} tokens + max_new_tokens {s.max_new_tokens} "
+                                    f"exceeds the context limit of {limit}")
+            raise ValueError(f"{len(too_long)} prompt(s) of the batch exceed the context limit")  # isolate them
+        width = max(map(len, prompts))
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):  # left padding: every prompt ends where generation starts
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        kwargs: dict[str, Any] = dict(max_new_tokens=s.max_new_tokens, pad_token_id=self.pad_id,
+                                      eos_token_id=sorted(self.eos_ids))
+        if s.temperature > 0:
+            kwargs.update(do_sample=True, temperature=s.temperature, top_p=s.top_p,
+                          top_k=s.top_k if s.top_k > 0 else 0)
+        else:
+            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        with self._lock, torch.inference_mode():
+            torch.manual_seed(s.seed + self._batches)  # reproducible for a given batch order
+            self._batches += 1
+            out = self.lm.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), **kwargs)
+        results = []
+        for i, p in enumerate(prompts):
+            gen = out[i, width:].tolist()
+            stop = next((j for j, t in enumerate(gen) if t in self.eos_ids), None)
+            emitted = gen[: stop + 1] if stop is not None else gen[: s.max_new_tokens]
+            body = emitted[:-1] if stop is not None else emitted
+            text = self.tok.decode(body, skip_special_tokens=True)
+            answer, reasoning = split_reasoning(text) if s.enable_thinking else (text, None)
+            results.append(GenResult(
+                text=answer, reasoning=reasoning, output_ids=emitted, prompt_tokens=len(p),
+                completion_tokens=len(emitted), finish_reason="stop" if stop is not None else "length",
+            ))
+        return results

@@ -1,0 +1,162 @@
+"""The generator: PromptTasks from the shared durable consumer → engine → shards in S3 → ack.
+
+Concurrency: `max_inflight` requests are in the engine at once (the engine's batching keeps the
+GPU busy); finished completions wait in the shard buffer for their shard to be written, holding
+their unacked message (heartbeats keep it), so the worker loop fetches up to
+`max_inflight + shard_records` messages, capped by the consumer's `max_ack_pending`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+
+from shared.bus import Bus, Delivery, Poison, ProgressLoop, Retry, WorkStats, consumer_for
+from shared.config import Config, fingerprint
+from shared.messages import GeneratorProgress, PromptTask, Subjects
+from shared.records import CompletionRecord
+from shared.store import Store
+
+from .backends import Backend, EngineError, GenRequest, PromptRefused, make_backend
+from .shards import ShardWriter
+
+log = logging.getLogger("dflash.generator")
+
+
+class Rates:
+    """Tokens/s over a sliding window of recent samples."""
+
+    def __init__(self, window_s: float = 60.0) -> None:
+        self.window_s = window_s
+        self.samples: collections.deque[tuple[float, int, int]] = collections.deque()
+
+    def add(self, prompt_tokens: int, completion_tokens: int) -> None:
+        self.samples.append((time.monotonic(), prompt_tokens, completion_tokens))
+
+    def per_s(self, started: float) -> tuple[float, float, float]:
+        """(prompt tokens/s, completion tokens/s, completions/s) over the window."""
+        now = time.monotonic()
+        while self.samples and now - self.samples[0][0] > self.window_s:
+            self.samples.popleft()
+        span = max(1.0, min(self.window_s, now - started))
+        return (sum(s[1] for s in self.samples) / span, sum(s[2] for s in self.samples) / span,
+                len(self.samples) / span)
+
+
+class Generator:
+    def __init__(self, cfg: Config, worker: str, backend: Backend, bus: Bus, store: Store) -> None:
+        self.cfg, self.worker, self.backend, self.bus, self.store = cfg, worker, backend, bus, store
+        self.run = cfg.run
+        g = cfg.generator
+        self.spec = consumer_for("generate", self.run, ack_wait_s=g.ack_wait_s, max_ack_pending=g.max_ack_pending,
+                                 max_deliver=g.max_deliver)
+        self.slots = max(g.max_inflight, min(g.max_ack_pending, g.max_inflight + g.shard_records))
+        self.shards = ShardWriter(bus, store, self.run, worker, max_records=min(g.shard_records, self.slots),
+                                  max_age_s=g.shard_seconds)
+        self.engine_slots = asyncio.Semaphore(g.max_inflight)
+        self.sampling_fp = fingerprint(cfg.sampling)
+        self.stats = WorkStats()
+        self.rates = Rates()
+        self.started = time.monotonic()
+        self.in_engine = 0
+        self.completions = self.prompt_tokens = self.completion_tokens = self.engine_errors = 0
+        self.finish_reasons: collections.Counter[str] = collections.Counter()
+        self.accept_lengths: collections.deque[float] = collections.deque(maxlen=256)
+        self.state = "running"
+
+    def progress(self) -> GeneratorProgress:
+        p_rate, c_rate, n_rate = self.rates.per_s(self.started)
+        accept = sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else None
+        return GeneratorProgress(
+            run=self.run, worker=self.worker, completions=self.completions, prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens, prompt_tokens_per_s=round(p_rate, 2),
+            completion_tokens_per_s=round(c_rate, 2), completions_per_s=round(n_rate, 3), in_flight=self.in_engine + self.shards.buffered,
+            errors=self.engine_errors + self.shards.write_errors, shards=self.shards.shards_written,
+            finish_reasons=dict(self.finish_reasons), spec_accept_length=accept, state=self.state,
+        )
+
+    async def handle(self, d: Delivery) -> None:
+        task: PromptTask = d.data
+        if task.run != self.run:
+            raise Poison(f"task for run {task.run!r} on run {self.run!r}'s subject")
+        if not task.messages:
+            raise Poison("task has no messages")
+        req = GenRequest(prompt_id=task.prompt_id, messages=task.messages, attempt=d.num_delivered)
+        async with self.engine_slots:
+            self.in_engine += 1
+            t0 = time.monotonic()
+            try:
+                result = await asyncio.wait_for(self.backend.generate(req), self.cfg.generator.request_timeout_s)
+            except PromptRefused as e:
+                raise Poison(str(e)) from None
+            except (EngineError, TimeoutError) as e:
+                self.engine_errors += 1
+                raise Retry(str(e) or "engine request timed out") from None
+            except Exception:
+                self.engine_errors += 1
+                raise
+            finally:
+                self.in_engine -= 1
+        latency = time.monotonic() - t0
+        record = CompletionRecord(
+            run=self.run, prompt_id=task.prompt_id, messages=task.messages, completion=result.text,
+            reasoning=result.reasoning, output_ids=result.output_ids, prompt_tokens=result.prompt_tokens,
+            completion_tokens=result.completion_tokens, finish_reason=result.finish_reason,
+            model=self.backend.model, engine=self.backend.engine, sampling_fingerprint=self.sampling_fp,
+            worker=self.worker, attempt=d.num_delivered, generation=task.generation, latency_s=round(latency, 4),
+            ts=time.time(),
+        )
+        self.completions += 1
+        self.prompt_tokens += result.prompt_tokens
+        self.completion_tokens += result.completion_tokens
+        self.rates.add(result.prompt_tokens, result.completion_tokens)
+        self.finish_reasons[result.finish_reason] += 1
+        if result.spec_accept_length is not None:
+            self.accept_lengths.append(result.spec_accept_length)
+        await self.shards.add(record)
+
+    async def run_until(self, stop: asyncio.Event) -> WorkStats:
+        await self.bus.ensure_streams()
+        await self.shards.start()
+        subject = Subjects.progress(self.run, "generate", self.worker)
+        async with ProgressLoop(self.bus, subject, self.progress, self.cfg.generator.progress_every_s):
+            drained = asyncio.create_task(self._flush_when_stopping(stop))
+            try:
+                await self.bus.work(self.spec, self.handle, run=self.run, stop=stop, message_type=PromptTask,
+                                    max_inflight=self.slots, grace_s=self.cfg.generator.drain_s, stats=self.stats)
+            finally:
+                drained.cancel()
+                self.state = "stopped"
+                await self.shards.close()
+        return self.stats
+
+    async def _flush_when_stopping(self, stop: asyncio.Event) -> None:
+        """While draining, write what is buffered as soon as no generation is still running."""
+        await stop.wait()
+        self.state = "draining"
+        while True:
+            if self.in_engine == 0 and self.shards.buffered:
+                await self.shards.flush()
+            await asyncio.sleep(0.2)
+
+
+async def run_generator(cfg: Config, worker: str, *, gpu: int | None = None, stop: asyncio.Event | None = None) -> WorkStats:
+    """Connect, start the engine, work until SIGTERM/SIGINT (or `stop`), drain, close."""
+    from shared.bus import install_stop_signals
+
+    if stop is None:
+        stop = asyncio.Event()
+        install_stop_signals(stop)
+    store = await asyncio.to_thread(Store.open, cfg)
+    backend = make_backend(cfg, gpu=gpu)
+    async with await Bus.connect(cfg.bus, f"generator-{worker}", deadline_s=60) as bus:
+        await backend.start()
+        try:
+            stats = await Generator(cfg, worker, backend, bus, store).run_until(stop)
+        finally:
+            await backend.close()
+    log.info("generator %s stopped: %d acked, %d retried, %d dead-lettered, %d requeued", worker, stats.acked,
+             stats.retried, stats.dead_lettered, stats.requeued_on_shutdown)
+    return stats

@@ -1,0 +1,133 @@
+"""Write-then-ack: completions are buffered into shards; a prompt is acked only once its shard is in S3
+and its ShardWritten event is on the bus.
+
+Each worker numbers its shards 0, 1, 2, … under `runs/<run>/completions/<worker>/`, continuing
+after the highest number already in S3, so a key is fixed before it is written and never
+reused. `put_new` refuses to overwrite a key with different content (two live workers given the
+same name): the writer then moves to the next number, loudly. S3 or NATS down: the shard is
+kept and retried with backoff, its prompts stay unacked (heartbeats keep them), nothing is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from shared.bus import Bus
+from shared.messages import ShardWritten, Subjects
+from shared.records import CompletionRecord, completions_to_parquet, read_completions
+from shared.store import Keys, ObjectConflict, Store
+
+log = logging.getLogger("dflash.generator.shards")
+
+
+def shard_event(run: str, key: str, worker: str, seq: int, records: list[CompletionRecord], sha: str,
+                size: int) -> ShardWritten:
+    return ShardWritten(
+        run=run, key=key, worker=worker, seq=seq, num_records=len(records),
+        prompt_ids=[r.prompt_id for r in records], sha256=sha, size_bytes=size,
+        completion_tokens=sum(r.completion_tokens for r in records), truncated=sum(r.truncated for r in records),
+    )
+
+
+class ShardWriter:
+    def __init__(self, bus: Bus, store: Store, run: str, worker: str, *, max_records: int, max_age_s: float) -> None:
+        self.bus, self.store, self.run, self.worker = bus, store, run, worker
+        self.max_records, self.max_age_s = max_records, max_age_s
+        self.seq = 0
+        self.shards_written = 0
+        self.write_errors = 0
+        self._records: list[CompletionRecord] = []
+        self._waiters: list[asyncio.Future[None]] = []
+        self._oldest = 0.0
+        self._lock = asyncio.Lock()
+        self._timer: asyncio.Task[None] | None = None
+        self._flushes: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        prefix = f"runs/{self.run}/completions/{self.worker}/"
+        keys = await asyncio.to_thread(lambda: list(self.store.list(prefix)))
+        seqs = [int(k[len(prefix):].split(".")[0]) for k in keys if k.endswith(".parquet")]
+        if seqs:
+            self.seq = max(seqs) + 1
+            await self._announce_last(max(seqs))
+        self._timer = asyncio.create_task(self._age_flusher())
+
+    async def _announce_last(self, seq: int) -> None:
+        """A crash between the S3 write and the publish leaves the last shard unannounced: announce it
+        again (the msg id is the key, so an already-announced shard is not published twice)."""
+        key = Keys.completions(self.run, self.worker, seq)
+        data = await asyncio.to_thread(self.store.get_bytes, key)
+        records = read_completions(data)
+        info = await asyncio.to_thread(self.store.stat, key)
+        event = shard_event(self.run, key, self.worker, seq, records, info.sha256 if info else "", len(data))
+        await self.bus.publish(Subjects.shards(self.run), event, msg_id=key)
+
+    @property
+    def buffered(self) -> int:
+        return len(self._records)
+
+    async def add(self, record: CompletionRecord) -> None:
+        """Returns once the record is durably in S3 and announced: then its prompt may be acked."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if not self._records:
+            self._oldest = time.monotonic()
+        self._records.append(record)
+        self._waiters.append(fut)
+        if len(self._records) >= self.max_records:
+            task = asyncio.create_task(self.flush())
+            self._flushes.add(task)
+            task.add_done_callback(self._flushes.discard)
+        try:
+            await asyncio.shield(fut)  # a cancelled handler (shutdown) must not cancel the shared write
+        except asyncio.CancelledError:
+            if fut in self._waiters:  # not taken by a flush yet: its prompt is nak'ed, so drop the record too
+                i = self._waiters.index(fut)
+                del self._waiters[i], self._records[i]
+            raise
+
+    async def _age_flusher(self) -> None:
+        while True:
+            await asyncio.sleep(min(0.5, self.max_age_s / 4))
+            if self._records and time.monotonic() - self._oldest >= self.max_age_s:
+                await self.flush()
+
+    async def flush(self) -> None:
+        async with self._lock:
+            if not self._records:
+                return
+            records, waiters = self._records, self._waiters
+            self._records, self._waiters = [], []
+            data = completions_to_parquet(records)
+            delay = 1.0
+            while True:
+                key = Keys.completions(self.run, self.worker, self.seq)
+                try:
+                    info, _ = await asyncio.to_thread(self.store.put_new, key, data, "application/vnd.apache.parquet")
+                    event = shard_event(self.run, key, self.worker, self.seq, records, info.sha256, len(data))
+                    await self.bus.publish(Subjects.shards(self.run), event, msg_id=key)
+                    break
+                except ObjectConflict as e:
+                    log.error("%s; is another worker named %r running? writing the next shard number", e, self.worker)
+                    self.seq += 1
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:  # S3 or NATS unreachable: keep the shard, keep trying
+                    self.write_errors += 1
+                    log.warning("shard %s (%d records) not written yet, retry in %.0fs: %s", key, len(records), delay, e)
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 30.0)
+            self.seq += 1
+            self.shards_written += 1
+            log.info("shard %s: %d records", key, len(records))
+            for fut in waiters:
+                if not fut.done():
+                    fut.set_result(None)
+
+    async def close(self) -> None:
+        await asyncio.gather(*self._flushes, return_exceptions=True)
+        await self.flush()
+        if self._timer:
+            self._timer.cancel()
+            await asyncio.gather(self._timer, return_exceptions=True)

@@ -1,0 +1,155 @@
+"""`dflash status --run R`: where a run stands, rebuilt from the bus and S3 alone (no service state needed).
+
+Completed = unique prompt_ids in the run's ShardWritten log; in flight / queued from the shared
+consumer; rates from each worker's latest progress event (workers silent for over two minutes
+are listed but not counted); alerts (quality gate, crash loops) from the progress stream.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from typing import Any
+
+import msgspec
+import nats.js.errors
+
+from shared.bus import Bus
+from shared.config import Config
+from shared.messages import (
+    Alert,
+    GeneratorProgress,
+    Message,
+    ShardWritten,
+    Subjects,
+    TokenizerProgress,
+    TrainerProgress,
+)
+from shared.store import Keys, Store
+
+SILENT_S = 120.0
+
+
+class RunStatus(msgspec.Struct, kw_only=True):
+    run: str
+    total: int = 0  # accepted by the feeder (manifest)
+    rejects: int = 0
+    completed: int = 0  # unique prompt_ids in completion shards
+    completion_records: int = 0  # including duplicates from redeliveries
+    shards: int = 0
+    in_flight: int = 0  # delivered, not acked
+    queued: int = 0  # not yet delivered
+    failed: int = 0  # engine/S3 errors reported by generators (each retried)
+    dead_lettered: dict[str, int] = {}
+    completion_tokens_per_s: float = 0.0
+    completions_per_s: float = 0.0
+    eta_s: float | None = None
+    workers: list[dict[str, Any]] = []
+    alerts: list[Alert] = []
+    tokenized_samples: int = 0
+    trainer_step: int | None = None
+
+
+async def run_status(cfg: Config, bus: Bus, store: Store | None) -> RunStatus:
+    run = cfg.run
+    st = RunStatus(run=run)
+    if store is not None:
+        key = Keys.manifest(run)
+        if await asyncio.to_thread(store.exists, key):
+            manifest = msgspec.json.decode(await asyncio.to_thread(store.get_bytes, key))
+            st.total = int(manifest.get("total_accepted", 0))
+            st.rejects = int(manifest.get("total_rejected", 0))
+    done: set[str] = set()
+    async for _, event in bus.replay("SHARDS", Subjects.shards(run), 1, ShardWritten):
+        st.shards += 1
+        st.completion_records += event.num_records
+        done.update(event.prompt_ids)
+    st.completed = len(done)
+    try:
+        info = await bus.js.consumer_info("PROMPTS", f"generate-{run}")
+        st.in_flight, st.queued = info.num_ack_pending, info.num_pending
+    except nats.js.errors.NotFoundError:  # no generator has started yet: everything fed is queued
+        sinfo = await bus.js.stream_info("PROMPTS", subjects_filter=Subjects.prompts(run))
+        st.queued = sum((sinfo.state.subjects or {}).values())
+    for _, letter in await bus.dead_letters(run):
+        st.dead_lettered[letter.stage] = st.dead_lettered.get(letter.stage, 0) + 1
+    now = time.time()
+    latest: list[tuple[int, Message]] = await bus.latest_per_subject("PROGRESS", Subjects.all_progress(run))
+    for _, p in latest:
+        age = now - p.ts
+        if isinstance(p, GeneratorProgress):
+            live = age < SILENT_S and p.state != "stopped"
+            st.workers.append({"worker": p.worker, "completions": p.completions, "tokens_per_s": p.completion_tokens_per_s,
+                               "in_flight": p.in_flight, "errors": p.errors, "state": p.state if live or
+                               p.state == "stopped" else "silent", "age_s": round(age, 1)})
+            st.failed += p.errors
+            if live:
+                st.completion_tokens_per_s += p.completion_tokens_per_s
+                st.completions_per_s += p.completions_per_s
+        elif isinstance(p, TokenizerProgress):
+            st.tokenized_samples += p.samples_kept
+        elif isinstance(p, TrainerProgress):
+            st.trainer_step = max(st.trainer_step or 0, p.step)
+    remaining = max(0, st.total - st.completed)
+    if remaining == 0 and st.total:
+        st.eta_s = 0.0
+    elif st.completions_per_s > 0:
+        st.eta_s = remaining / st.completions_per_s
+    alerts = [a async for _, a in bus.replay("PROGRESS", Subjects.all_alerts(run), 1, Alert)]
+    latest_alert: dict[tuple[str, str, str], Alert] = {}
+    for a in alerts:
+        latest_alert[(a.stage, a.kind, a.worker)] = a
+    st.alerts = list(latest_alert.values())
+    return st
+
+
+def _duration(s: float | None) -> str:
+    if s is None:
+        return "unknown (no live generator)"
+    h, rem = divmod(int(s), 3600)
+    return f"{h}h{rem // 60:02d}m" if h else f"{rem // 60}m{rem % 60:02d}s"
+
+
+def format_status(st: RunStatus) -> str:
+    pct = f" ({100 * st.completed / st.total:.1f}%)" if st.total else ""
+    lines = [
+        f"run {st.run}",
+        f"  prompts     {st.total} accepted, {st.rejects} rejected",
+        f"  completed   {st.completed}{pct} unique in {st.shards} shards ({st.completion_records} records)",
+        f"  in flight   {st.in_flight}   queued {st.queued}   failed attempts {st.failed}",
+        f"  dead letters {sum(st.dead_lettered.values())}"
+        + (" (" + ", ".join(f"{k} {v}" for k, v in sorted(st.dead_lettered.items())) + ")" if st.dead_lettered else ""),
+        f"  rate        {st.completion_tokens_per_s:.1f} completion tokens/s, {st.completions_per_s:.2f} prompts/s",
+        f"  ETA         {_duration(st.eta_s)}",
+    ]
+    if st.tokenized_samples:
+        lines.append(f"  tokenized   {st.tokenized_samples} samples kept")
+    if st.trainer_step is not None:
+        lines.append(f"  trainer     step {st.trainer_step}")
+    for w in st.workers:
+        lines.append(f"    {w['worker']:<20} {w['state']:<9} {w['completions']:>8} done  {w['tokens_per_s']:>8.1f} tok/s  "
+                     f"in flight {w['in_flight']:<4} errors {w['errors']:<4} last seen {w['age_s']}s ago")
+    for a in st.alerts:
+        lines.append(f"  ALERT [{a.severity}] {a.stage}/{a.kind}: {a.message}")
+        for ex in a.examples[:3]:
+            lines.append(f"      e.g. {ex[:160]!r}")
+    return "\n".join(lines)
+
+
+async def _status(args: argparse.Namespace) -> int:
+    from shared.cli import load
+
+    cfg = load(args)
+    store = await asyncio.to_thread(Store.open, cfg, ensure_bucket=False)
+    async with await Bus.connect(cfg.bus, "status", deadline_s=10) as bus:
+        st = await run_status(cfg, bus, store)
+    print(msgspec.json.encode(st).decode() if args.json else format_status(st))
+    return 1 if any(a.severity == "critical" for a in st.alerts) else 0
+
+
+def register(sub: Any, replay: Any) -> None:
+    p = sub.add_parser("status", help="a run's progress: completed, in flight, dead letters, rate, ETA, alerts")
+    p.add_argument("--run", required=True)
+    p.add_argument("--json", action="store_true", help="machine-readable")
+    p.set_defaults(func=lambda args: asyncio.run(_status(args)))
