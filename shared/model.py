@@ -64,6 +64,7 @@ def _convert_gguf(gguf: Path, dest: Path) -> None:
             state.pop("lm_head.weight", None)
         save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
         config = model.config
+        config.architectures = [type(model).__name__]  # servers (transformers serve, SGLang) pick the class by it
         if hasattr(config, "quantization_config"):
             del config.quantization_config
         config.save_pretrained(tmp)
@@ -73,6 +74,22 @@ def _convert_gguf(gguf: Path, dest: Path) -> None:
         os.replace(tmp, dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _ensure_architectures(dest: Path) -> None:
+    """Caches converted before the config carried `architectures` get it added (servers need it)."""
+    import json
+
+    path = dest / "config.json"
+    config = json.loads(path.read_text())
+    if config.get("architectures"):
+        return
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    config["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config["model_type"]]]
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
 
 
 def resolve_target(target: str = DEFAULT_TARGET) -> Path:
@@ -85,6 +102,7 @@ def resolve_target(target: str = DEFAULT_TARGET) -> Path:
         package, filename, name = PACKAGED_MODELS[target]
         dest = model_cache_dir() / name
         if (dest / "config.json").is_file():
+            _ensure_architectures(dest)
             return dest
         gguf = _packaged_gguf(package, filename)
         dest.parent.mkdir(parents=True, exist_ok=True)

@@ -33,7 +33,6 @@ from .sources import Raw, local_copy, read_records
 log = logging.getLogger("dflash.feeder")
 
 BATCH = 1000
-REGISTRY_FULL = 10077  # "maximum messages per subject exceeded": the prompt is already registered
 
 
 def reason_kind(reason: str) -> str:
@@ -70,7 +69,22 @@ class TokenCounter:
 
         self.tok = Tokenizer.from_file(str(resolve_target(cfg.model.target) / "tokenizer.json"))
 
-    def count(self, convs: list[list[ChatMessage]]) -> list[int]:
+    def upper_bound(self, conv: list[ChatMessage]) -> int:
+        """Byte-level BPE and byte-fallback tokenizers never emit more tokens than bytes (+1 for a prefix)."""
+        return sum(len(m.content.encode()) + 1 for m in conv) + self.PER_TURN * len(conv)
+
+    def count(self, convs: list[list[ChatMessage]], limit: int) -> list[int]:
+        """Token counts, exact where the bound could exceed `limit` (the rest get their upper bound)."""
+        bounds = [self.upper_bound(c) for c in convs]
+        todo = [i for i, b in enumerate(bounds) if b > limit]
+        if not todo:
+            return bounds
+        exact = self._exact([convs[i] for i in todo])
+        for i, n in zip(todo, exact, strict=True):
+            bounds[i] = n
+        return bounds
+
+    def _exact(self, convs: list[list[ChatMessage]]) -> list[int]:
         flat = [m.content for conv in convs for m in conv]
         lens = [len(e.ids) for e in self.tok.encode_batch(flat, add_special_tokens=False)]
         out, i = [], 0
@@ -127,13 +141,11 @@ class Feeder:
         fresh = sum(not a.duplicate for a in acks)
         self.summary.published += fresh
         self.summary.already_fed += len(acks) - fresh
-        futures = [await self.bus.js.publish_async(Subjects.registry(self.run, t.prompt_id), b"")
-                   for t in batch]
-        for result in await asyncio.gather(*futures, return_exceptions=True):
-            if isinstance(result, nats.js.errors.APIError) and result.err_code == REGISTRY_FULL:
-                continue
-            if isinstance(result, BaseException):
-                raise result
+        # The registry entry is written with a plain publish (JetStream stores it; no ack awaited): a lost
+        # entry costs at most one duplicate generation after a server restart, never a lost prompt, and a
+        # refusal (already registered) is exactly what we want.
+        for t in batch:
+            await self.bus.nc.publish(Subjects.registry(self.run, t.prompt_id), b"")
 
     def _reject(self, out, source: str, raw: Raw, reason: str) -> None:
         self.summary.rejected += 1
@@ -148,7 +160,8 @@ class Feeder:
             pending: list[tuple[Raw, list[ChatMessage], str]] = []
 
             async def flush() -> None:
-                lens = self.counter.count([m for _, m, _ in pending]) if self.counter else [0] * len(pending)
+                lens = (self.counter.count([m for _, m, _ in pending], max_tokens) if self.counter
+                        else [0] * len(pending))
                 tasks = []
                 for (raw, msgs, pid), n in zip(pending, lens, strict=True):
                     if self.counter and n > max_tokens:
@@ -199,6 +212,7 @@ class Feeder:
                         entry["reject_reasons"] = dict((self.reasons - reasons_before).most_common())
                         entry["ts"] = time.time()
                         self.per_source[source] = entry
+            await self.bus.nc.flush()  # the registry entries are on the server before the manifest says done
             self.summary.reject_reasons = dict(self.reasons.most_common())
             self.summary.seconds = round(time.monotonic() - started, 3)
             await asyncio.to_thread(self._write_rejects, Path(tmp), sources)

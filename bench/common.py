@@ -1,0 +1,61 @@
+"""What every benchmark needs: an embedded stack of its own on free ports, a config pointed at it, results JSON."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from shared.config import Config, load_config  # noqa: E402
+from shared.stack import EmbeddedStack, Ports  # noqa: E402
+
+
+@contextlib.contextmanager
+def bench_stack() -> Iterator[EmbeddedStack]:
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench" + secrets.token_hex(4))
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", secrets.token_urlsafe(24))
+    with tempfile.TemporaryDirectory(prefix="dflash-bench-") as root:
+        stack = EmbeddedStack(Path(root), Ports.free())
+        stack.start()
+        try:
+            yield stack
+        finally:
+            stack.stop()
+
+
+def bench_config(stack: EmbeddedStack, run: str, **sections: dict[str, Any]) -> Config:
+    cfg = load_config(env={})
+    cfg = msgspec.structs.replace(
+        cfg, run=run, bus=msgspec.structs.replace(cfg.bus, url=stack.nats_url),
+        store=msgspec.structs.replace(cfg.store, endpoint=stack.s3_endpoint, bucket=stack.bucket),
+        stack=msgspec.structs.replace(cfg.stack, data_dir=str(stack.root)),
+    )
+    for name, values in sections.items():
+        cfg = msgspec.structs.replace(cfg, **{name: msgspec.structs.replace(getattr(cfg, name), **values)})
+    return cfg
+
+
+def write_result(name: str, result: dict[str, Any]) -> Path:
+    out = ROOT / "bench" / "results" / f"{name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result = {"benchmark": name, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "machine": {"cpus": os.cpu_count()}, **result}
+    out.write_text(json.dumps(result, indent=2, sort_keys=False) + "\n")
+    return out
+
+
+def table(rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
