@@ -40,6 +40,7 @@ class ServiceState:
     last_exit: int | None = None
     state: str = "pending"  # pending | running | backoff | done | crash_loop | stopped
     proc: asyncio.subprocess.Process | None = None
+    stop_requested: bool = False  # stopped on purpose: its exit is not a crash
 
 
 class Supervisor:
@@ -82,11 +83,11 @@ class Supervisor:
         return proc
 
     async def _watch(self, st: ServiceState) -> None:
-        while not self._stopping.is_set():
+        while not self._stopping.is_set() and not st.stop_requested:
             proc = await self._spawn(st)
             code = await proc.wait()
             st.last_exit, st.pid, st.proc = code, None, None
-            if self._stopping.is_set():
+            if self._stopping.is_set() or st.stop_requested:
                 st.state = "stopped"
                 return
             if code == 0 and st.spec.one_shot:
@@ -120,8 +121,11 @@ class Supervisor:
     async def stop_service(self, name: str) -> None:
         """SIGTERM one service (it drains and exits 0), SIGKILL after the grace period."""
         st = self.services[name]
+        st.stop_requested = True
         proc = st.proc
         if proc is None or proc.returncode is not None:
+            if st.state in ("pending", "backoff", "running"):
+                st.state = "stopped"
             return
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(signal.SIGTERM)

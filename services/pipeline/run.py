@@ -1,0 +1,249 @@
+"""`dflash run`: one command from a prompt file to a trained drafter, on the embedded stack or a configured one.
+
+Phases, each judged from the bus and S3 alone (so a re-run resumes where the last one stopped):
+feed (one-shot, idempotent) → generate (N supervised workers; done when every accepted prompt
+is completed or dead-lettered) → tokenize (done when every completion shard has a tokenized
+shard or a dead letter) → train (runs to its configured steps; resumes from its checkpoint)
+→ eval (one-shot) → a report of where every artifact is. A crash-looping service or a tripped
+quality gate stops the run with the reason, never silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+
+from shared.bus import Bus
+from shared.config import Config, data_dir
+from shared.messages import Alert, ShardWritten, Subjects, TokenizedShard, TrainerProgress
+from shared.status import RunStatus, run_status
+from shared.store import Keys, Store
+
+from .supervisor import ServiceSpec, ServiceState, Supervisor
+
+log = logging.getLogger("dflash.run")
+
+BUNDLED_PROMPTS = Path(__file__).parent / "data" / "prompts.jsonl"
+
+
+@dataclass
+class RunPlan:
+    prompts: list[str]
+    generators: list[int | None]  # one entry per generator: its GPU, or None on CPU
+    backend: str | None = None
+    train: bool = True
+    dashboard: bool = True
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+def dflash(*args: str) -> list[str]:
+    return [sys.executable, "-m", "shared.cli", *args]
+
+
+def service_specs(cfg: Config, plan: RunPlan) -> list[ServiceSpec]:
+    run = cfg.run
+    specs = [ServiceSpec("feeder", dflash("feed", *plan.prompts, "--run", run), one_shot=True)]
+    for i, gpu in enumerate(plan.generators):
+        argv = dflash("generate", "--run", run, "--worker", f"gen{i}")
+        if gpu is not None:
+            argv += ["--gpu", str(gpu)]
+        if plan.backend:
+            argv += ["--backend", plan.backend]
+        specs.append(ServiceSpec(f"generator-{i}", argv))
+    specs.append(ServiceSpec("tokenizer", dflash("tokenize", "--run", run)))
+    if plan.train:
+        specs.append(ServiceSpec("trainer", dflash("train", "--run", run), one_shot=True))
+    if plan.dashboard:
+        specs.append(ServiceSpec("dashboard", dflash("dashboard", "--run", run)))
+    for s in specs:
+        s.env.update(plan.extra_env)
+    return specs
+
+
+@dataclass
+class Picture:
+    """What the terminal shows, rebuilt from the bus every couple of seconds."""
+
+    status: RunStatus
+    feed_done: bool
+    shards: int
+    tokenized_shards: int
+    tokenized_samples: int
+    tokenize_dead: int
+    trainer: TrainerProgress | None
+    alerts: list[Alert]
+
+
+async def picture(cfg: Config, bus: Bus, store: Store, fingerprint_filter: str | None = None) -> Picture:
+    st = await run_status(cfg, bus, store)
+    shard_keys = {e.key async for _, e in bus.replay("SHARDS", Subjects.shards(cfg.run), 1, ShardWritten)}
+    tokenized: dict[str, TokenizedShard] = {}
+    async for _, t in bus.replay("TOKENIZED", Subjects.tokenized(cfg.run), 1, TokenizedShard):
+        if fingerprint_filter is None or t.fingerprint == fingerprint_filter:
+            tokenized[t.source_key] = t
+    trainer = None
+    for _, p in await bus.latest_per_subject("PROGRESS", f"dflash.{cfg.run}.train.progress.*"):
+        if isinstance(p, TrainerProgress) and (trainer is None or p.step > trainer.step):
+            trainer = p
+    feed_done = await asyncio.to_thread(store.exists, Keys.manifest(cfg.run))
+    return Picture(
+        status=st, feed_done=feed_done, shards=len(shard_keys),
+        tokenized_shards=len(set(tokenized) & shard_keys),
+        tokenized_samples=sum(t.num_samples for k, t in tokenized.items() if k in shard_keys),
+        tokenize_dead=st.dead_lettered.get("tokenize", 0), trainer=trainer, alerts=st.alerts,
+    )
+
+
+def generation_done(p: Picture) -> bool:
+    st = p.status
+    return p.feed_done and st.total > 0 and st.completed + st.dead_lettered.get("generate", 0) >= st.total \
+        and st.in_flight == 0
+
+
+def tokenization_done(p: Picture) -> bool:
+    return p.shards > 0 and p.tokenized_shards + p.tokenize_dead >= p.shards
+
+
+class Display:
+    """A live terminal view (rich): one bar per stage with counts, rate and ETA."""
+
+    def __init__(self, cfg: Config, enabled: bool) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.console = Console(stderr=False)
+        self.enabled = enabled and self.console.is_terminal
+        self.progress = Progress(
+            TextColumn("[bold]{task.description:<10}"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("{task.fields[note]}"), TimeElapsedColumn(), console=self.console,
+            disable=not self.enabled, refresh_per_second=2,
+        )
+        self.tasks = {name: self.progress.add_task(name, total=None, note="") for name in
+                      ("fed", "generated", "tokenized", "trained")}
+        self.last_line = 0.0
+        self.max_steps = cfg.trainer.max_steps
+
+    def __enter__(self) -> Display:
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.progress.__exit__(*exc)
+
+    def update(self, p: Picture, services: dict[str, str]) -> None:
+        st = p.status
+        eta = f"ETA {int(st.eta_s // 60)}m{int(st.eta_s % 60):02d}s" if st.eta_s else ""
+        self.progress.update(self.tasks["fed"], total=st.total or None, completed=st.total,
+                             note=f"{st.rejects} rejected" + ("" if p.feed_done else " (feeding)"))
+        self.progress.update(self.tasks["generated"], total=st.total or None, completed=st.completed,
+                             note=f"{st.completion_tokens_per_s:.0f} tok/s {eta} dead {st.dead_lettered.get('generate', 0)}")
+        self.progress.update(self.tasks["tokenized"], total=p.shards or None, completed=p.tokenized_shards,
+                             note=f"{p.tokenized_samples} samples")
+        t = p.trainer
+        self.progress.update(self.tasks["trained"], total=self.max_steps or None, completed=t.step if t else 0,
+                             note=f"loss {t.loss:.3f} τ≈{t.estimated_tau:.2f}" if t else "waiting for data")
+        if not self.enabled and time.monotonic() - self.last_line > 10:  # a log line when not on a terminal
+            self.last_line = time.monotonic()
+            print(f"[{cfg_time()}] fed {st.total} generated {st.completed}/{st.total} tokenized "
+                  f"{p.tokenized_shards}/{p.shards} shards trained {t.step if t else 0} steps | "
+                  + " ".join(f"{k}={v}" for k, v in services.items()), flush=True)
+
+
+def cfg_time() -> str:
+    return time.strftime("%H:%M:%S")
+
+
+async def _crash_loop_alert(bus: Bus, run: str, st: ServiceState) -> None:
+    alert = Alert(run=run, stage="run", kind="crash_loop", worker=st.spec.name,
+                  message=f"{st.spec.name} crash-looped ({len(st.crashes)} exits, last code {st.last_exit}); "
+                          "not restarted", examples=[])
+    await bus.publish(Subjects.alert(run, "run"), alert)
+
+
+async def run_pipeline(cfg: Config, plan: RunPlan, *, env: dict[str, str], show: bool = True,
+                       poll_s: float = 2.0) -> int:
+    store = await asyncio.to_thread(Store.open, cfg)
+    logs = data_dir(cfg) / "runs" / cfg.run / "logs"
+    async with await Bus.connect(cfg.bus, "dflash-run", deadline_s=30) as bus:
+        await bus.ensure_streams()
+
+        async def on_crash(st: ServiceState) -> None:
+            await _crash_loop_alert(bus, cfg.run, st)
+
+        plan.extra_env.update(env)
+        sup = Supervisor(service_specs(cfg, plan), logs, on_crash_loop=on_crash, grace_s=cfg.generator.drain_s + 15)
+        sup.start()
+        if plan.dashboard:
+            print(f"dashboard: http://{cfg.dashboard.host}:{cfg.dashboard.port}/  (logs in {logs})", flush=True)
+        generators = [n for n in sup.services if n.startswith("generator-")]
+        phase = "generate"
+        outcome = 0
+        try:
+            with Display(cfg, show) as display:
+                while True:
+                    p = await picture(cfg, bus, store)
+                    display.update(p, sup.state())
+                    looping = [n for n, s in sup.state().items() if s == "crash_loop"]
+                    if looping:
+                        print(f"stopping: {', '.join(looping)} crash-looped (logs in {logs})")
+                        outcome = 4
+                        break
+                    gate = [a for a in p.alerts if a.kind == "quality_gate" and a.severity == "critical"]
+                    if gate and not cfg.tokenizer.gate_override:
+                        print(f"stopping: quality gate tripped: {gate[-1].message}")
+                        for ex in gate[-1].examples[:3]:
+                            print(f"  e.g. {ex[:200]!r}")
+                        outcome = 3
+                        break
+                    if phase == "generate" and generation_done(p):
+                        await asyncio.gather(*(sup.stop_service(n) for n in generators))
+                        phase = "tokenize"
+                    if phase == "tokenize" and tokenization_done(p):
+                        phase = "train"
+                        await sup.stop_service("tokenizer")
+                    if phase == "train":
+                        if not plan.train:
+                            break
+                        state = sup.state()["trainer"]
+                        if state == "done":
+                            break
+                    await asyncio.sleep(poll_s)
+        finally:
+            if outcome or not plan.dashboard:
+                await sup.stop()
+        if outcome:
+            return outcome
+        report = None
+        if plan.train:
+            proc = await asyncio.create_subprocess_exec(*dflash("eval", "--run", cfg.run), env={**os.environ, **env})
+            if await proc.wait() != 0:
+                print("eval failed (see above)")
+                outcome = 5
+            else:
+                key = Keys.eval_report(cfg.run)
+                if await asyncio.to_thread(store.exists, key):
+                    report = msgspec.json.decode(await asyncio.to_thread(store.get_bytes, key))
+        print_artifacts(cfg, store, report)
+        await sup.stop()
+        return outcome
+
+
+def print_artifacts(cfg: Config, store: Store, report: dict | None) -> None:
+    run = cfg.run
+    print(f"\nrun {run} finished. Artifacts:")
+    print(f"  manifest      {store.uri(Keys.manifest(run))}")
+    print(f"  rejects       {store.uri(Keys.rejects(run))}")
+    print(f"  completions   {store.uri(f'runs/{run}/completions/')}")
+    print(f"  tokenized     {store.uri(f'runs/{run}/tokenized/')}")
+    print(f"  checkpoints   {store.uri(f'runs/{run}/checkpoints/')}")
+    if report:
+        print(f"  eval report   {store.uri(Keys.eval_report(run))}")
+        print(f"eval: τ = {report.get('tau', 0):.3f} on {report.get('prompts', 0)} held-out prompts, speedup "
+              f"{report.get('speedup', 0):.2f}x, lossless={report.get('lossless')}")
