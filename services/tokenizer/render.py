@@ -13,8 +13,9 @@ reasoning), and comparing with the generation prompt:
 `open`/`close` wrap the reasoning the model wrote itself: mask = train_on_reasoning. The stop
 token (the tokenizer's eos / generation_config eos ids) ends the supervised span; `tail`
 (e.g. the newline after `<|im_end|>`) is mask 0. A template for which `P` is not a prefix of
-`F_s` as a string, or does not tokenize to a token prefix, or that loses the answer or the stop
-token, raises `TemplateError` when the renderer is built: it would give wrong masks.
+`F_s` as a string, whose own scaffolding after P does not tokenize to a token prefix continuation
+(or whose stop token is not a token boundary), or that loses the answer or the stop token, raises
+`TemplateError` when the renderer is built: it would give wrong masks.
 
 Each sample is then rendered for real and checked against its layout (same prompt, same
 scaffolding, answer and reasoning equal up to surrounding whitespace, which templates trim).
@@ -182,8 +183,14 @@ class ChatRenderer:
             prompt, lay = self.layout_for(context, self.render_reasoning)
             full = prompt + lay.pre + lay.open + (REASONING_SENTINEL if self.render_reasoning else "") + lay.close
             full += CONTENT_SENTINEL + lay.eot + lay.tail
-            ids = self.encode(full)
-            for name, piece in (("generation prompt", prompt), ("end-of-turn", full[: len(full) - len(lay.tail)])):
+            # Template-owned text must tokenize cleanly after the prompt, and the end of turn must be a token
+            # boundary. The answer boundary needs no such check: the answer is tokenized after the prompt's
+            # tokens, the way the engine generated it (see samples.py).
+            checks = [("end-of-turn", full[: len(full) - len(lay.tail)], full)]
+            if lay.pre or lay.open:
+                checks.append(("generation prompt", prompt, prompt + lay.pre + lay.open))
+            for name, piece, whole in checks:
+                ids = self.encode(whole)
                 pids = self.encode(piece)
                 if ids[: len(pids)] != pids:
                     at = _first_token_difference(pids, ids)
