@@ -115,12 +115,14 @@ def generators_panel(rs: sv.RunState, now: float, silent_after_s: float) -> None
         st.caption("No generator has reported yet.")
         return
     df = pd.DataFrame(rows)
-    df.insert(0, "health", ["🔴 silent" if s else "🟢 ok" for s in df.pop("silent")])
+    df.insert(0, "health", ["SILENT" if s else "ok" for s in df.pop("silent")])
     if df["spec accept"].isna().all():
         df = df.drop(columns=["spec accept"])
     red = "background-color: #f8d0d0"
-    st.dataframe(df.style.apply(lambda r: [red if r["health"].endswith("silent") else "" for _ in r], axis=1),
-                 hide_index=True, width="stretch")
+    formats = {"prompt tok/s": "{:,.1f}", "completion tok/s": "{:,.1f}", "spec accept": "{:.2f}"}
+    styled = df.style.apply(lambda r: [red if r["health"] == "SILENT" else "" for _ in r], axis=1).format(
+        {k: v for k, v in formats.items() if k in df.columns}, na_rep="—")
+    st.dataframe(styled, hide_index=True, width="stretch")
     series = pd.DataFrame(sv.generator_series(rs))
     if len(series) > 1:
         series["time"] = pd.to_datetime(series["time"], unit="s")
