@@ -106,6 +106,14 @@ class TokenizerConfig(Section):
     gate_threshold: float = 0.2
     gate_override: bool = False  # keep going past a tripped gate (logged and shown, never silent)
     max_ack_pending: int = 16
+    # Same-answer collapse: the most common answer text over a full gate window above this share trips the gate.
+    gate_identical_threshold: float = 0.5
+    # An answer ending in >= repetition_min_tail tokens of one piece of <= repetition_max_period tokens
+    # repeated (at least 4 times) is degenerate.
+    repetition_max_period: int = 32
+    repetition_min_tail: int = 64
+    max_inflight: int = 2  # shards handled at once (download overlaps tokenizing; tokenizing is serialized)
+    chat_template_file: str = ""  # a Jinja file replacing the target tokenizer's template (a template fix)
 
 
 class TrainerConfig(Section):

@@ -168,5 +168,28 @@ def read_samples(data: bytes) -> list[TokenizedSample]:
     return [msgspec.convert(row, TokenizedSample) for row in table.to_pylist()]
 
 
+def read_sample_ids(data: bytes) -> list[str]:
+    """Only the prompt_id column of a tokenized shard (cheap: the id lists are not decoded)."""
+    try:
+        return pq.read_table(io.BytesIO(data), columns=["prompt_id"]).column("prompt_id").to_pylist()
+    except (pa.ArrowInvalid, OSError, KeyError) as e:
+        raise RecordError(f"not a readable Parquet tokenized shard: {e}") from None
+
+
+def dedupe_samples(shards: Iterable[tuple[str, list[TokenizedSample]]]) -> dict[str, TokenizedSample]:
+    """One tokenized sample per prompt_id: the first by (shard key, row); input order does not matter.
+
+    The tokenizer already skips prompt_ids it emitted before, so a duplicate here comes only from two
+    tokenizer workers racing on two completion shards of the same prompt.
+    """
+    best: dict[str, tuple[tuple[str, int], TokenizedSample]] = {}
+    for key, samples in shards:
+        for row, s in enumerate(samples):
+            cur = best.get(s.prompt_id)
+            if cur is None or (key, row) < cur[0]:
+                best[s.prompt_id] = ((key, row), s)
+    return {pid: s for pid, (_, s) in best.items()}
+
+
 def jsonl_line(obj: Any) -> str:
     return json.dumps(obj, ensure_ascii=False, sort_keys=True) + "\n"

@@ -326,6 +326,11 @@ class Keys:
         return f"runs/{run}/tokenized/{fingerprint}/{shard_name}.parquet"
 
     @staticmethod
+    def tokenizer_gate(run: str, fingerprint: str) -> str:
+        """The tripped quality gate of a run's tokenizing under one template fingerprint (JSON Alert)."""
+        return f"runs/{run}/tokenized/{fingerprint}/gate.json"
+
+    @staticmethod
     def checkpoint(run: str, step: int) -> str:
         return f"runs/{run}/checkpoints/step-{step:08d}/"
 

@@ -1,0 +1,256 @@
+"""The dashboard's one connection to the stack: a daemon thread with its own asyncio loop.
+
+Streamlit reruns the page script in short-lived threads, so an event-loop-bound client cannot
+be cached; this object is (via `st.cache_resource`), and the page only reads `snapshot()`.
+On start it replays the PROGRESS stream from its first message (a page opened on day three
+shows days one and two), then follows it live with an ordered consumer. Dead letters, stream
+lag per consumer, S3 reachability and run manifests are polled every few seconds. Any failure
+(NATS or S3 down) is recorded as a message for the page and retried; nothing raises into the page.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import logging
+import threading
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import nats.errors
+import nats.js.errors
+from nats.js import api
+
+from dashboard.state import RunState, apply
+from shared.bus import Bus
+from shared.config import Config
+from shared.messages import DeadLetter, MessageError, ProgressMessage, decode
+from shared.store import Keys, Store, StoreError
+
+log = logging.getLogger("dflash.dashboard")
+
+POLL_S = 3.0
+
+
+@dataclass
+class ConsumerLag:
+    stream: str
+    consumer: str
+    pending: int  # in the stream, not yet delivered to this consumer
+    ack_pending: int  # delivered, not yet acked
+    redelivered: int
+
+
+@dataclass
+class Health:
+    nats_ok: bool = False
+    nats_error: str = "connecting…"
+    s3_ok: bool = False
+    s3_error: str = "connecting…"
+    stream_missing: bool = False
+    replaying: bool = True
+    replay_pending: int = 0
+    checked_at: float = 0.0
+
+
+@dataclass
+class Snapshot:
+    """A deep copy of the listener's state at one moment: the page may read it freely."""
+
+    runs: dict[str, RunState] = field(default_factory=dict)
+    health: Health = field(default_factory=Health)
+    dead_letters: list[tuple[int, DeadLetter]] = field(default_factory=list)
+    lag: list[ConsumerLag] = field(default_factory=list)
+    manifests: dict[str, dict[str, Any]] = field(default_factory=dict)
+    last_seq: int = 0
+
+
+class Listener:
+    """Follows `dflash.<run>.>` on PROGRESS (all runs when `run` is None) for the life of the server."""
+
+    def __init__(self, cfg: Config, run: str | None = None) -> None:
+        self.cfg = cfg
+        self.run = run
+        self._lock = threading.Lock()
+        self._state = Snapshot()
+        self._stop = threading.Event()
+        self._loop = asyncio.new_event_loop()
+        self._bus: Bus | None = None
+        self._store: Store | None = None
+        self._thread = threading.Thread(target=self._main, name="dflash-dashboard-listener", daemon=True)
+        self._thread.start()
+
+    # --- page side --------------------------------------------------------------------------------
+
+    def snapshot(self) -> Snapshot:
+        with self._lock:
+            s = self._state
+            return Snapshot(
+                runs={run: rs.copy() for run, rs in s.runs.items()}, health=copy.copy(s.health),
+                dead_letters=list(s.dead_letters), lag=list(s.lag), manifests=dict(s.manifests), last_seq=s.last_seq,
+            )
+
+    def replay_dead_letters(self, run: str, stage: str = "*", timeout_s: float = 60.0) -> int:
+        """The same path as `dflash replay`: Bus.replay_dead_letters, run on the listener's loop."""
+        if self._bus is None or not self._bus.nc.is_connected:
+            raise ConnectionError("not connected to NATS")
+        count = self._submit(self._bus.replay_dead_letters(run, stage)).result(timeout_s)
+        self._submit(self._refresh_dead_letters()).result(timeout_s)
+        return count
+
+    def close(self) -> None:
+        """Called by st.cache_resource's on_release: stop the thread and drain the connection."""
+        self._stop.set()
+        if self._loop.is_running():
+            with contextlib.suppress(Exception):
+                self._submit(self._close_bus()).result(5)
+        self._thread.join(timeout=5)
+
+    def _submit(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    # --- listener thread --------------------------------------------------------------------------
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._supervise())
+        finally:
+            self._loop.close()
+
+    async def _supervise(self) -> None:
+        await asyncio.gather(self._follow_forever(), self._poll_forever())
+
+    async def _close_bus(self) -> None:
+        if self._bus is not None:
+            await self._bus.close()
+
+    def _health(self, **changes: Any) -> None:
+        with self._lock:
+            for k, v in changes.items():
+                setattr(self._state.health, k, v)
+            self._state.health.checked_at = time.time()
+
+    async def _connect(self) -> Bus:
+        while True:
+            if self._bus is not None and not self._bus.nc.is_closed:
+                return self._bus
+            try:
+                self._bus = await Bus.connect(self.cfg.bus, "dflash-dashboard", deadline_s=2.0)
+                self._health(nats_ok=True, nats_error="")
+                return self._bus
+            except ConnectionError as e:
+                self._health(nats_ok=False, nats_error=str(e))
+                await asyncio.sleep(POLL_S)
+
+    async def _follow_forever(self) -> None:
+        while not self._stop.is_set():
+            bus = await self._connect()
+            try:
+                await self._follow(bus)
+            except (nats.errors.Error, nats.js.errors.Error, OSError, TimeoutError) as e:
+                stream_missing = isinstance(e, nats.js.errors.NotFoundError)
+                self._health(stream_missing=stream_missing,
+                             nats_error="" if stream_missing else f"following progress failed: {e}")
+                await asyncio.sleep(POLL_S)
+
+    async def _follow(self, bus: Bus) -> None:
+        """Replay the stream from where we are (the start, first time), then follow live."""
+        await bus.js.stream_info("PROGRESS")  # NotFoundError: no service has created the streams yet
+        self._health(stream_missing=False)
+        start = self._state.last_seq + 1
+        subject = f"dflash.{self.run or '*'}.>"
+        config = api.ConsumerConfig(deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start)
+        sub = await bus.js.subscribe(subject, stream="PROGRESS", ordered_consumer=True, config=config)
+        try:
+            while not self._stop.is_set():
+                try:
+                    m = await sub.next_msg(timeout=1.0)
+                except nats.errors.TimeoutError:
+                    self._health(replaying=False, replay_pending=0)
+                    continue
+                md = m.metadata
+                try:
+                    event: ProgressMessage | None = decode(m.data, ProgressMessage)
+                except MessageError as e:
+                    log.warning("skipping undecodable progress message seq %d: %s", md.sequence.stream, e)
+                    event = None
+                with self._lock:
+                    if event is not None:
+                        apply(self._state.runs, event)
+                    self._state.last_seq = md.sequence.stream
+                    self._state.health.replaying = md.num_pending > 0
+                    self._state.health.replay_pending = md.num_pending
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    # --- polling: health, lag, dead letters, manifests -----------------------------------------------
+
+    async def _poll_forever(self) -> None:
+        while not self._stop.is_set():
+            await asyncio.gather(self._poll_nats(), asyncio.to_thread(self._poll_s3), return_exceptions=True)
+            await asyncio.sleep(POLL_S)
+
+    async def _poll_nats(self) -> None:
+        bus = self._bus
+        if bus is None:
+            return
+        if not bus.nc.is_connected:
+            self._health(nats_ok=False, nats_error=f"NATS at {self.cfg.bus.url} unreachable (reconnecting)")
+            return
+        try:
+            lag = await self._lag(bus)
+            await self._refresh_dead_letters()
+        except (nats.errors.Error, nats.js.errors.Error, OSError, TimeoutError) as e:
+            self._health(nats_error=f"NATS query failed: {e}")
+            return
+        with self._lock:
+            self._state.lag = lag
+        self._health(nats_ok=True, nats_error="")
+
+    async def _lag(self, bus: Bus) -> list[ConsumerLag]:
+        out = []
+        for stream in ("PROMPTS", "SHARDS", "TOKENIZED"):
+            try:
+                infos = await bus.js.consumers_info(stream)
+            except nats.js.errors.NotFoundError:
+                continue
+            for info in infos:
+                out.append(ConsumerLag(stream, info.name, info.num_pending or 0, info.num_ack_pending or 0,
+                                       info.num_redelivered or 0))
+        return out
+
+    async def _refresh_dead_letters(self) -> None:
+        bus = self._bus
+        if bus is None:
+            return
+        try:
+            letters = await bus.dead_letters(self.run or "*")
+        except nats.js.errors.NotFoundError:
+            letters = []
+        with self._lock:
+            self._state.dead_letters = letters
+
+    def _poll_s3(self) -> None:
+        try:
+            if self._store is None:
+                cfg = msgspec.structs.replace(self.cfg.store, retry_deadline_s=2.0)
+                self._store = Store.open(msgspec.structs.replace(self.cfg, store=cfg), ensure_bucket=False)
+            self._store.ping(deadline_s=2.0)
+        except Exception as e:  # StoreError, bad credentials, DNS: all shown on the page as text
+            self._health(s3_ok=False, s3_error=str(e).splitlines()[0][:300])
+            return
+        with self._lock:
+            runs = list(self._state.runs)
+        manifests = {}
+        for run in runs:
+            with contextlib.suppress(StoreError, msgspec.DecodeError):
+                manifests[run] = msgspec.json.decode(self._store.get_bytes(Keys.manifest(run), verify=False))
+        with self._lock:
+            self._state.manifests = manifests
+        self._health(s3_ok=True, s3_error="")

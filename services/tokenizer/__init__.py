@@ -1,0 +1,1 @@
+"""Tokenizer service: completions -> exact training samples with loss masks, behind a quality gate."""

@@ -1,0 +1,90 @@
+"""`dflash tokenize` (the service) and `dflash replay tokenize` (re-tokenize from the shard log)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from typing import Any
+
+
+def _config(args: argparse.Namespace) -> Any:
+    import msgspec
+
+    from shared.cli import load
+
+    cfg = load(args)
+    if getattr(args, "template", None):
+        cfg = msgspec.structs.replace(
+            cfg, tokenizer=msgspec.structs.replace(cfg.tokenizer, chat_template_file=args.template)
+        )
+    return cfg
+
+
+def _tokenize(args: argparse.Namespace) -> int:
+    from .render import TemplateError
+    from .service import run_service
+
+    cfg = _config(args)
+    try:
+        service = asyncio.run(run_service(cfg, worker=args.worker, burst=args.burst))
+    except TemplateError as e:
+        print(f"dflash tokenize: the chat template cannot give exact loss masks: {e}")
+        return 2
+    c = service.counts
+    print(f"run {cfg.run} [template {service.fingerprint}]: {c.shards} shards, {c.samples_kept}/{c.samples_in} "
+          f"samples kept, {c.tokens} tokens ({c.supervised_tokens} supervised), drift {c.drift}")
+    for reason, n in sorted(c.dropped.items()):
+        print(f"  dropped {n:>7}  {reason}")
+    if service.tripped is not None:
+        print(f"QUALITY GATE TRIPPED: {service.tripped.message}")
+        for ex in service.tripped.examples:
+            print(f"  e.g. {ex}")
+        return 3
+    return 0
+
+
+async def _replay_async(cfg: Any, from_seq: int) -> Any:
+    from shared.bus import Bus
+    from shared.store import Store
+
+    from .fingerprint import load_target_tokenizer
+    from .replay import replay_tokenize
+
+    tok = await asyncio.to_thread(load_target_tokenizer, cfg)
+    store = await asyncio.to_thread(Store.open, cfg)
+    async with await Bus.connect(cfg.bus, "tokenizer-replay", deadline_s=30) as bus:
+        await bus.ensure_streams()
+        return await replay_tokenize(cfg, bus, store, tok, from_seq=from_seq)
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from .render import TemplateError
+
+    cfg = _config(args)
+    try:
+        s = asyncio.run(_replay_async(cfg, args.from_seq))
+    except TemplateError as e:
+        print(f"dflash replay tokenize: the chat template cannot give exact loss masks: {e}")
+        return 2
+    print(f"run {cfg.run}: replayed {s.shards} shards from seq {args.from_seq} under template {s.fingerprint}: "
+          f"{s.written} written, {s.already_present} already present (unchanged), {len(s.failed)} failed")
+    print(f"  output: runs/{cfg.run}/tokenized/{s.fingerprint}/")
+    for seq, key, err in s.failed:
+        print(f"  failed seq {seq} {key}: {err}")
+    if s.gate:
+        print(f"QUALITY GATE TRIPPED: {s.gate}")
+        return 3
+    return 1 if s.failed else 0
+
+
+def register(sub: Any, replay: Any) -> None:
+    p = sub.add_parser("tokenize", help="the tokenizer service: completion shards -> training samples")
+    p.add_argument("--run", required=True)
+    p.add_argument("--worker", default="tokenizer")
+    p.add_argument("--burst", action="store_true", help="stop once no shard is pending")
+    p.set_defaults(func=_tokenize)
+    r = replay.add_parser("tokenize", help="re-tokenize every completion shard from the shard log")
+    r.add_argument("--run", required=True)
+    r.add_argument("--from-seq", type=int, default=1, help="first SHARDS stream sequence to replay")
+    r.add_argument("--template", default=None, help="a Jinja chat template file replacing the target's")
+    r.set_defaults(func=_replay)

@@ -1,0 +1,310 @@
+"""`dflash tokenize`: ShardWritten events in, tokenized Parquet shards and TokenizedShard events out.
+
+config -> connect -> loop. One handler per ShardWritten, write-then-ack:
+read the completions shard (checksum verified) -> build samples (off the event loop) -> quality
+gate -> write `runs/<run>/tokenized/<fingerprint>/<shard>.parquet` -> publish TokenizedShard
+(msg id = key) -> ack. A corrupt or unreadable shard is Poison (dead letter with the reason);
+the others go on. An output key that already exists is not recomputed (exists -> skip): its
+event is published again from the stored shard.
+
+Dedupe across shards: prompt_ids this run already has under this fingerprint (read from S3 at
+start, then kept in memory) are skipped as `duplicate`; readers apply `dedupe_samples` for the
+rare race of two workers. A sample's content depends only on its record, the template and the
+policy, never on which worker made it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from shared.bus import Bus, Delivery, Poison, ProgressLoop, Retry, WorkStats, consumer_for
+from shared.config import Config
+from shared.messages import Alert, ShardWritten, Subjects, TokenizedShard, TokenizerProgress
+from shared.records import RecordError, read_completions, read_sample_ids, read_samples, samples_to_parquet
+from shared.store import (
+    ChecksumMismatch,
+    KeyNotFound,
+    Keys,
+    ObjectConflict,
+    Store,
+    StoreUnavailable,
+    sha256_bytes,
+)
+
+from . import gate as gatemod
+from .fingerprint import template_fingerprint
+from .samples import SampleBuilder
+
+log = logging.getLogger("dflash.tokenizer")
+
+
+def shard_name(completions_key: str) -> str:
+    """`runs/r/completions/gen-0/00000003.parquet` -> `gen-0.00000003`: flat, unique, deterministic."""
+    rel = completions_key.split("/completions/", 1)[-1]
+    return rel.removesuffix(".parquet").replace("/", ".")
+
+
+def histogram_bucket(n: int) -> str:
+    """Power-of-two lower bound: 0, 1, 2, 4, 8, ... (the "OK." incident is a spike in bucket 4)."""
+    return "0" if n <= 0 else str(2 ** int(math.log2(n)))
+
+
+class GateTripped(Exception):
+    pass
+
+
+@dataclass
+class Counts:
+    shards: int = 0
+    skipped_shards: int = 0
+    samples_in: int = 0
+    samples_kept: int = 0
+    tokens: int = 0
+    supervised_tokens: int = 0
+    drift: int = 0
+    exact: int = 0
+    dropped: Counter[str] = field(default_factory=Counter)
+    histogram: Counter[str] = field(default_factory=Counter)
+    poisoned: int = 0
+
+
+class TokenizerService:
+    """Tokenizes one run's completion shards under one template fingerprint."""
+
+    def __init__(self, cfg: Config, bus: Bus, store: Store, tokenizer: Any, *, worker: str = "tokenizer") -> None:
+        self.cfg = cfg
+        self.run = cfg.run
+        self.bus = bus
+        self.store = store
+        self.worker = worker
+        self.builder = SampleBuilder(tokenizer, cfg)  # TemplateError here: the template cannot give exact masks
+        self.fingerprint = template_fingerprint(tokenizer, cfg)
+        t = cfg.tokenizer
+        self.gate = gatemod.QualityGate(t.gate_window, t.gate_threshold, t.gate_identical_threshold)
+        self.override = t.gate_override
+        self.counts = Counts()
+        self.seen: set[str] = set()
+        self.tripped: Alert | None = None
+        self.state = "starting"
+        self._lock = asyncio.Lock()
+        self.stop: asyncio.Event | None = None
+
+    # --- start --------------------------------------------------------------------------------
+
+    async def prepare(self) -> None:
+        """Seed the dedupe set from this fingerprint's existing shards; pick up a gate tripped before."""
+        prefix = f"runs/{self.run}/tokenized/{self.fingerprint}/"
+        keys = [k for k in await asyncio.to_thread(lambda: list(self.store.list(prefix))) if k.endswith(".parquet")]
+        for key in keys:
+            data = await asyncio.to_thread(self.store.get_bytes, key)
+            self.seen.update(read_sample_ids(data))
+        marker = Keys.tokenizer_gate(self.run, self.fingerprint)
+        if await asyncio.to_thread(self.store.exists, marker):
+            alert = msgspec.json.decode(await asyncio.to_thread(self.store.get_bytes, marker), type=Alert)
+            if self.override:
+                await self._warn_override(f"a quality gate tripped earlier for this run: {alert.message}")
+            else:
+                self.tripped = alert
+                log.error("quality gate tripped earlier for run %s (%s): not consuming. %s",
+                          self.run, self.store.uri(marker), alert.message)
+        elif self.override:
+            await self._warn_override("tokenizer.gate_override is set: a tripped quality gate will not stop this run")
+        log.info("tokenizer for run %s: fingerprint %s, %d prompt_ids already tokenized", self.run,
+                 self.fingerprint, len(self.seen))
+
+    async def _warn_override(self, message: str) -> None:
+        log.warning("%s", message)
+        await self.bus.publish(
+            Subjects.alert(self.run, gatemod.STAGE),
+            Alert(run=self.run, stage=gatemod.STAGE, kind=gatemod.KIND, severity="warning", worker=self.worker,
+                  message=f"{message} [template {self.fingerprint}]"),
+        )
+
+    # --- one shard ----------------------------------------------------------------------------
+
+    async def handle(self, d: Delivery) -> None:
+        await self.process(d.data)
+
+    async def process(self, ev: ShardWritten) -> TokenizedShard | None:
+        """Tokenize one completions shard; None when the gate is tripped (the shard stays unconsumed)."""
+        if self.tripped is not None:
+            raise GateTripped(self.tripped.message)
+        key = Keys.tokenized(self.run, self.fingerprint, shard_name(ev.key))
+        if await asyncio.to_thread(self.store.exists, key):
+            return await self._republish(ev, key)
+        data = await self._read_source(ev)
+        try:
+            records = await asyncio.to_thread(read_completions, data)
+        except RecordError as e:
+            raise Poison(f"completions shard {ev.key} is unreadable: {e}") from None
+        async with self._lock:  # one shard at a time through build -> gate -> write, in delivery order
+            if self.tripped is not None:
+                raise GateTripped(self.tripped.message)
+            built = await asyncio.to_thread(self.builder.build, records, seen=self.seen)
+            trial = self.gate.copy()
+            verdict = trial.observe(built.outcomes)
+            if verdict is not None and self.gate.verdict is None:
+                await self._on_trip(verdict)
+                if not self.override:
+                    raise GateTripped(verdict.reason)
+            payload = samples_to_parquet(built.samples)
+            try:
+                info, _ = await asyncio.to_thread(self.store.put_new, key, payload)
+            except ObjectConflict:  # another worker wrote this shard first (different dedupe history): theirs stands
+                return await self._republish(ev, key)
+            event = TokenizedShard(
+                run=self.run, key=key, source_key=ev.key, fingerprint=self.fingerprint,
+                num_samples=len(built.samples), num_tokens=sum(s.num_tokens for s in built.samples),
+                num_supervised=sum(s.num_supervised for s in built.samples), sha256=info.sha256,
+                dropped=built.dropped(), retokenization_drift=built.drift,
+            )
+            await self.bus.publish(Subjects.tokenized(self.run), event, msg_id=key)
+            self.gate = trial
+            self.seen.update(s.prompt_id for s in built.samples)
+            c = self.counts
+            c.shards += 1
+            c.samples_in += len(records)
+            c.samples_kept += len(built.samples)
+            c.tokens += event.num_tokens
+            c.supervised_tokens += event.num_supervised
+            c.drift += built.drift
+            c.exact += built.exact
+            c.dropped.update(built.dropped())
+            c.histogram.update(histogram_bucket(s.num_supervised) for s in built.samples)
+            c.histogram.update(histogram_bucket(d.num_supervised) for d in built.drops if d.num_supervised is not None)
+            log.info("%s: %d/%d samples kept, %d tokens (%d supervised), drift %d, dropped %s", key,
+                     len(built.samples), len(records), event.num_tokens, event.num_supervised, built.drift,
+                     dict(built.dropped()) or "none")
+            return event
+
+    async def _read_source(self, ev: ShardWritten) -> bytes:
+        try:
+            data = await asyncio.to_thread(self.store.get_bytes, ev.key)
+        except (ChecksumMismatch, KeyNotFound) as e:
+            raise Poison(f"completions shard {ev.key}: {e}") from None
+        except StoreUnavailable as e:
+            raise Retry(str(e)) from None
+        if ev.sha256 and sha256_bytes(data) != ev.sha256:
+            raise Poison(f"completions shard {ev.key} differs from its ShardWritten event (sha256 mismatch)")
+        return data
+
+    async def _republish(self, ev: ShardWritten, key: str) -> TokenizedShard:
+        """The output exists: publish its event again from the stored shard (a duplicate msg id is a no-op)."""
+        data = await asyncio.to_thread(self.store.get_bytes, key)
+        samples = read_samples(data)
+        event = TokenizedShard(
+            run=self.run, key=key, source_key=ev.key, fingerprint=self.fingerprint, num_samples=len(samples),
+            num_tokens=sum(s.num_tokens for s in samples), num_supervised=sum(s.num_supervised for s in samples),
+            sha256=sha256_bytes(data),
+        )
+        await self.bus.publish(Subjects.tokenized(self.run), event, msg_id=key)
+        self.seen.update(s.prompt_id for s in samples)
+        self.counts.skipped_shards += 1
+        return event
+
+    async def _on_trip(self, verdict: gatemod.GateVerdict) -> None:
+        alert = gatemod.gate_alert(self.run, self.worker, self.fingerprint, verdict, overridden=self.override)
+        if self.override:
+            log.warning("%s", alert.message)
+        else:
+            log.error("%s", alert.message)
+            self.tripped = alert
+            marker = Keys.tokenizer_gate(self.run, self.fingerprint)
+            await asyncio.to_thread(self.store.put_bytes, marker, msgspec.json.encode(alert), "application/json")
+            if self.stop is not None:
+                self.stop.set()
+        await self.bus.publish(Subjects.alert(self.run, gatemod.STAGE), alert)
+
+    # --- progress -----------------------------------------------------------------------------
+
+    def snapshot(self) -> TokenizerProgress:
+        c = self.counts
+        return TokenizerProgress(
+            run=self.run, worker=self.worker, fingerprint=self.fingerprint, shards=c.shards,
+            samples_in=c.samples_in, samples_kept=c.samples_kept, tokens=c.tokens,
+            supervised_tokens=c.supervised_tokens, dropped=dict(c.dropped), retokenization_drift=c.drift,
+            supervised_histogram=dict(c.histogram), gate_tripped=self.tripped is not None or self.gate.verdict is not None,
+            state=self.state,
+        )
+
+    # --- the loop -----------------------------------------------------------------------------
+
+    async def serve(self, stop: asyncio.Event, *, burst: bool = False, progress_every_s: float = 5.0) -> WorkStats:
+        """Consume until `stop` (or, with burst, until nothing is left); a tripped gate ends consuming."""
+        self.stop = stop
+        spec = consumer_for("tokenize", self.run, ack_wait_s=60.0, max_ack_pending=self.cfg.tokenizer.max_ack_pending)
+        stats = WorkStats()
+        subject = Subjects.progress(self.run, gatemod.STAGE, self.worker)
+        async with ProgressLoop(self.bus, subject, self.snapshot, every_s=progress_every_s):
+            await self.prepare()
+            if self.tripped is None:
+                self.state = "running"
+                watcher = asyncio.create_task(self._drain_watch(spec, stop, stats)) if burst else None
+                try:
+                    await self.bus.work(
+                        spec, self._handle_gate_aware, run=self.run, stop=stop, message_type=ShardWritten,
+                        max_inflight=self.cfg.tokenizer.max_inflight, stats=stats,
+                    )
+                finally:
+                    if watcher:
+                        watcher.cancel()
+            if self.tripped is not None:
+                self.state = "gate_tripped"
+                log.error("tokenizing stopped by the quality gate: %s", self.tripped.message)
+                if not burst:
+                    await stop.wait()  # stay visible (progress says gate_tripped) until told to stop
+            else:
+                self.state = "stopped"
+        return stats
+
+    async def _handle_gate_aware(self, d: Delivery) -> None:
+        try:
+            await self.handle(d)
+        except GateTripped as e:
+            # Not a failure of this shard: put it back for after the fix (or an override) and stop consuming.
+            raise Retry(f"quality gate tripped: {e}", delay_s=30.0) from None
+
+    async def _drain_watch(self, spec: Any, stop: asyncio.Event, stats: WorkStats) -> None:
+        """Burst mode: stop once the consumer has nothing pending and nothing in flight."""
+        quiet_since = None
+        while not stop.is_set():
+            await asyncio.sleep(0.3)
+            try:
+                info = await self.bus.js.consumer_info(spec.stream, spec.durable)
+            except Exception:
+                continue
+            idle = info.num_pending == 0 and info.num_ack_pending == 0 and stats.in_flight == 0
+            if not idle:
+                quiet_since = None
+            elif quiet_since is None:
+                quiet_since = time.monotonic()
+            elif time.monotonic() - quiet_since > 0.6:
+                stop.set()
+
+
+async def run_service(cfg: Config, *, worker: str = "tokenizer", burst: bool = False,
+                      stop: asyncio.Event | None = None, progress_every_s: float = 5.0,
+                      tokenizer: Any = None) -> TokenizerService:
+    """config -> connect -> loop, for the CLI and for tests."""
+    from shared.bus import install_stop_signals
+
+    from .fingerprint import load_target_tokenizer
+
+    tok = tokenizer if tokenizer is not None else await asyncio.to_thread(load_target_tokenizer, cfg)
+    store = await asyncio.to_thread(Store.open, cfg)
+    if stop is None:
+        stop = asyncio.Event()
+        install_stop_signals(stop)
+    async with await Bus.connect(cfg.bus, f"tokenizer-{worker}") as bus:
+        await bus.ensure_streams()
+        service = TokenizerService(cfg, bus, store, tok, worker=worker)
+        await service.serve(stop, burst=burst, progress_every_s=progress_every_s)
+    return service

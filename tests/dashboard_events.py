@@ -1,0 +1,83 @@
+"""A small, real event stream for the dashboard tests: the message types services publish, on their subjects.
+
+`expected` holds the numbers the page must show for it, computed here from the same events.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from shared.bus import Bus
+from shared.messages import (
+    Alert,
+    EvalReport,
+    FeederProgress,
+    GeneratorProgress,
+    Message,
+    Subjects,
+    TokenizerProgress,
+    TrainerProgress,
+)
+
+SILENT_WORKER = "gpu1"
+
+
+@dataclass
+class RunEvents:
+    run: str
+    prompts: int = 100
+    generated: int = 0  # sum of the generator workers' latest `completions`
+    tokenized: int = 0
+    kept: int = 0
+    trained: int = 0
+    checkpoint_key: str = ""
+
+
+def initial_events(run: str, now: float | None = None) -> tuple[list[tuple[str, Message]], RunEvents]:
+    now = time.time() if now is None else now
+    ev = RunEvents(run)
+    out: list[tuple[str, Message]] = [
+        (Subjects.progress(run, "feed", "feeder"),
+         FeederProgress(run=run, worker="feeder", read=103, accepted=100, duplicates=2, rejected=1, published=100,
+                        done=True, ts=now - 120)),
+        # gpu0 reports twice (the rate comes from the difference), gpu1 went quiet 15 minutes ago.
+        (Subjects.progress(run, "generate", "gpu0"),
+         GeneratorProgress(run=run, worker="gpu0", completions=20, prompt_tokens=2000, completion_tokens=4000,
+                           prompt_tokens_per_s=90.0, completion_tokens_per_s=180.0, in_flight=8, shards=1,
+                           finish_reasons={"stop": 19, "length": 1}, ts=now - 60)),
+        (Subjects.progress(run, "generate", "gpu0"),
+         GeneratorProgress(run=run, worker="gpu0", completions=40, prompt_tokens=4000, completion_tokens=8000,
+                           prompt_tokens_per_s=100.0, completion_tokens_per_s=200.0, in_flight=8, errors=1,
+                           shards=2, finish_reasons={"stop": 36, "length": 4}, ts=now - 2)),
+        (Subjects.progress(run, "generate", SILENT_WORKER),
+         GeneratorProgress(run=run, worker=SILENT_WORKER, completions=25, prompt_tokens=2500,
+                           completion_tokens=5000, prompt_tokens_per_s=80.0, completion_tokens_per_s=150.0,
+                           in_flight=4, shards=1, finish_reasons={"stop": 25}, ts=now - 900)),
+        (Subjects.progress(run, "tokenize", "tok0"),
+         TokenizerProgress(run=run, worker="tok0", fingerprint="fp1", shards=2, samples_in=50, samples_kept=44,
+                           tokens=30000, supervised_tokens=12000, dropped={"truncated": 4, "too_few_supervised": 2},
+                           retokenization_drift=3, supervised_histogram={"0": 6, "64": 20, "256": 24},
+                           gate_tripped=True, ts=now - 5)),
+        (Subjects.alert(run, "tokenize"),
+         Alert(run=run, stage="tokenize", kind="quality_gate", worker="tok0",
+               message="38% of the last 50 samples have fewer than 32 supervised tokens",
+               examples=["<|im_start|>assistant\nOK.<|im_end|>"], ts=now - 5)),
+        (Subjects.progress(run, "train", "trainer"),
+         TrainerProgress(run=run, worker="trainer", step=10, loss=5.5, estimated_tau=1.4, tokens_per_s=900.0,
+                         samples_seen=12, ts=now - 30)),
+        (Subjects.progress(run, "train", "trainer"),
+         TrainerProgress(run=run, worker="trainer", step=20, loss=4.25, estimated_tau=1.9, tokens_per_s=950.0,
+                         samples_seen=30, checkpoint_key=f"runs/{run}/checkpoints/step-00000020/", ts=now - 3)),
+        (Subjects.progress(run, "eval", "eval"),
+         EvalReport(run=run, checkpoint_key=f"runs/{run}/checkpoints/step-00000020/", prompts=8, tau=2.1,
+                    speedup=1.3, lossless=True, ts=now - 1)),
+    ]
+    ev.generated, ev.tokenized, ev.kept, ev.trained = 40 + 25, 50, 44, 30
+    ev.checkpoint_key = f"runs/{run}/checkpoints/step-00000020/"
+    return out, ev
+
+
+async def publish(bus: Bus, events: list[tuple[str, Message]]) -> None:
+    for subject, msg in events:
+        await bus.publish(subject, msg)

@@ -1,0 +1,217 @@
+"""Dashboard logic on the real test stack: AppTest runs the page script against real events on NATS."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from dashboard import state as sv
+from dashboard.cli import is_local
+from shared.bus import Bus, consumer_for
+from shared.messages import GeneratorProgress, PromptTask, Subjects, decode, encode
+from shared.stack import EmbeddedStack, Ports, free_port
+from tests.conftest import new_run
+from tests.dashboard_events import SILENT_WORKER, initial_events, publish
+
+ROOT = Path(__file__).resolve().parents[1]
+APP = ROOT / "dashboard" / "app.py"
+
+
+def texts(elements) -> list[str]:
+    return [str(e.value) for e in elements]
+
+
+def metrics(at: AppTest) -> dict[str, str]:
+    return {m.label: m.value for m in at.metric}
+
+
+def wait_page(at: AppTest, ok: Callable[[AppTest], bool], timeout_s: float = 25.0) -> AppTest:
+    """Re-run the page until `ok` (the listener folds events in the background), or fail showing the page."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        at.run()
+        assert not at.exception, [e.value for e in at.exception]
+        if ok(at):
+            return at
+        if time.monotonic() > deadline:
+            raise AssertionError(f"page never got there: errors={texts(at.error)} info={texts(at.info)} "
+                                 f"metrics={metrics(at)}")
+        time.sleep(0.5)
+
+
+@pytest.fixture
+def page_env(stack: EmbeddedStack, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    for k, v in stack.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("DFLASH_DASHBOARD_PASSWORD", raising=False)
+    yield
+
+
+async def dead_letter_one(bus: Bus, run: str) -> None:
+    """A real dead letter: a malformed prompt through the real worker loop."""
+    await bus.publish_raw(Subjects.prompts(run), b"\x93not a prompt")
+    stop = asyncio.Event()
+
+    async def handle(_d) -> None:
+        raise AssertionError("a malformed payload must not reach the handler")
+
+    task = asyncio.create_task(bus.work(consumer_for("generate", run), handle, run=run, stop=stop,
+                                        message_type=PromptTask))
+    for _ in range(100):
+        if await bus.dead_letters(run):
+            break
+        await asyncio.sleep(0.1)
+    stop.set()
+    await task
+
+
+# --- pure view model -------------------------------------------------------------------------------
+
+
+def test_fold_real_events_into_view_model():
+    now = time.time()
+    events, ev = initial_events("r1", now)
+    runs: dict[str, sv.RunState] = {}
+    for _, msg in events:
+        sv.apply(runs, decode(encode(msg)))  # as they arrive on the wire
+    rs = runs["r1"]
+    totals = {t.stage: t for t in sv.stage_totals(rs, now)}
+    assert (totals["feed"].done, totals["feed"].total) == (100, 100)
+    assert (totals["generate"].done, totals["generate"].total) == (ev.generated, 100)
+    assert totals["tokenize"].done == ev.tokenized and totals["tokenize"].total == ev.generated
+    assert totals["train"].done == ev.trained and totals["train"].total == ev.kept
+    # gpu0 went 20 → 40 completions in 58 s; gpu1's only event is 15 min old (outside the window).
+    assert totals["generate"].rate_per_s == pytest.approx(20 / 58, rel=0.05)
+    assert totals["generate"].eta_s == pytest.approx((100 - 65) / (20 / 58), rel=0.05)
+    assert [w.worker for w in sv.silent_workers(rs, now, 60)] == [SILENT_WORKER]
+    reasons, truncated = sv.finish_reasons(rs)
+    assert reasons == {"stop": 61, "length": 4} and truncated == pytest.approx(100 * 4 / 65)
+    q = sv.quality_view(rs)
+    assert q.histogram == [(0, 6), (64, 20), (256, 24)] and q.dropped == {"truncated": 4, "too_few_supervised": 2}
+    assert q.gate_tripped and q.gate_alerts[0].examples and q.drift == 3
+    assert sv.checkpoint_rows(rs)[0]["S3 key"] == ev.checkpoint_key
+    assert sv.eval_rows(rs)[0]["τ"] == 2.1
+    assert sv.elapsed_s(rs, now) == pytest.approx(900, abs=1)
+
+
+def test_history_stays_bounded_and_keeps_the_latest():
+    runs: dict[str, sv.RunState] = {}
+    t0 = 1_000_000.0
+    for i in range(sv.HISTORY_POINTS * 3):
+        sv.apply(runs, GeneratorProgress(run="r", worker="w", completions=i, ts=t0 + i))
+    ws = runs["r"].workers[("generate", "w")]
+    assert len(ws.history) <= sv.HISTORY_POINTS
+    assert ws.latest.completions == sv.HISTORY_POINTS * 3 - 1 and ws.history[-1].completions == ws.latest.completions
+    assert ws.history[0].completions == 0  # thinning keeps the start of the run
+
+
+# --- the page --------------------------------------------------------------------------------------
+
+
+async def test_page_shows_counts_gate_silent_worker_and_dead_letters(stack, page_env, bus):
+    run = new_run()
+    events, ev = initial_events(run)
+    await publish(bus, events)
+    await dead_letter_one(bus, run)
+
+    at = AppTest.from_file(str(APP), default_timeout=30)
+    at.query_params["run"] = run
+    at = await asyncio.to_thread(wait_page, at, lambda a: metrics(a).get("generated") == f"{ev.generated} / 100"
+                                 and any("dead letters" in t for t in texts(a.error)))
+    m = metrics(at)
+    assert m["fed"] == "100 / 100"
+    assert m["tokenized"] == f"{ev.tokenized} / {ev.generated}"
+    assert m["trained (samples seen)"] == f"{ev.trained} / {ev.kept}"
+    assert m["samples kept"] == "44" and m["retokenization drift"] == "3"
+    assert m["step"] == "20" and m["estimated τ"] == "1.90"
+    assert m["truncated (finish_reason=length)"] == f"{100 * 4 / 65:.1f}%"
+    errors = texts(at.error)
+    assert any(e.startswith("Quality gate tripped: 38% of the last 50") for e in errors), errors
+    assert any("OK.<|im_end|>" in c.value for c in at.code)
+    assert any("Silent workers" in e and f"generate/{SILENT_WORKER}" in e for e in errors), errors
+    assert "1 dead letters" in errors
+    generators = at.dataframe[0].value
+    assert list(generators["worker"]) == ["gpu0", SILENT_WORKER]
+    assert list(generators["health"]) == ["ok", "SILENT"]
+    tables = [d.value for d in at.dataframe]
+    letters = next(t for t in tables if "reason" in t.columns and "deliveries" in t.columns)
+    assert letters["reason"].iloc[0].startswith("malformed payload")
+    assert any(ev.checkpoint_key in t.get("S3 key", []).tolist() for t in tables if "S3 key" in t.columns)
+    assert m["NATS"] == "reachable"
+    await asyncio.to_thread(wait_page, at, lambda a: metrics(a)["S3"] == "reachable")
+
+    # Replay: a button, then a confirmation; it uses Bus.replay_dead_letters (the `dflash replay` path).
+    at.button(key="replay").click()
+    await asyncio.to_thread(at.run)
+    assert any("back on their subjects" in w for w in texts(at.warning))
+    assert await bus.dead_letters(run), "nothing is replayed before the confirmation"
+    at.button(key="replay_confirm").click()
+    await asyncio.to_thread(at.run)
+    assert "Replayed 1 dead letters." in texts(at.success)
+    assert await bus.dead_letters(run) == []
+    raw = await bus.js.get_last_msg("PROMPTS", Subjects.prompts(run))
+    assert raw.data == b"\x93not a prompt"  # back on its subject, byte for byte
+
+
+async def test_page_follows_live_events(stack, page_env, bus):
+    run = new_run()
+    await bus.publish(Subjects.progress(run, "generate", "gpu0"),
+                      GeneratorProgress(run=run, worker="gpu0", completions=3))
+    at = AppTest.from_file(str(APP), default_timeout=30)
+    at.query_params["run"] = run
+    await asyncio.to_thread(wait_page, at, lambda a: metrics(a).get("generated") == "3")
+    await bus.publish(Subjects.progress(run, "generate", "gpu0"),
+                      GeneratorProgress(run=run, worker="gpu0", completions=11))
+    await asyncio.to_thread(wait_page, at, lambda a: metrics(a).get("generated") == "11")
+
+
+def test_nats_down_gives_a_clear_message_then_recovers(tmp_path, monkeypatch, stack):
+    """A page pointed at a closed port says so (no traceback); when NATS comes up there, it recovers."""
+    ports = Ports.free()
+    monkeypatch.setenv("DFLASH_NATS_URL", f"nats://127.0.0.1:{ports.nats}")
+    monkeypatch.setenv("DFLASH_S3_ENDPOINT", f"127.0.0.1:{free_port()}")
+    monkeypatch.setenv("DFLASH_S3_BUCKET", "dflash")
+    at = AppTest.from_file(str(APP), default_timeout=30)
+    wait_page(at, lambda a: any("NATS is unreachable" in e for e in texts(a.error)))
+    assert any("S3 is unreachable" in w for w in texts(at.warning))
+    assert metrics(at)["NATS"] == "unreachable"
+
+    late = EmbeddedStack(tmp_path / "late", ports)
+    late.start_nats()
+    try:
+        late.wait_healthy(30, s3=False)
+        wait_page(at, lambda a: not any("NATS" in e for e in texts(a.error))
+                  and any("No run yet" in i for i in texts(a.info)))
+        assert metrics(at)["NATS"] == "reachable"
+    finally:
+        late.stop_component("nats")
+
+
+# --- the command -----------------------------------------------------------------------------------
+
+
+def test_cli_refuses_a_non_local_bind_without_a_password(stack_env):
+    env = {k: v for k, v in stack_env.items() if k != "DFLASH_DASHBOARD_PASSWORD"}
+    env["PYTHONPATH"] = str(ROOT)
+    proc = subprocess.run([sys.executable, "-m", "shared.cli", "dashboard", "--host", "0.0.0.0", "--port", "1"],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "refusing to bind 0.0.0.0" in proc.stderr and "DFLASH_DASHBOARD_PASSWORD" in proc.stderr
+    assert is_local("127.0.0.1") and is_local("::1") and is_local("localhost") and not is_local("0.0.0.0")
+
+
+def test_password_is_asked_when_set(stack, page_env, monkeypatch):
+    monkeypatch.setenv("DFLASH_DASHBOARD_PASSWORD", "s3cret-pw")
+    at = AppTest.from_file(str(APP), default_timeout=30).run()
+    assert not at.metric and at.text_input[0].label == "Dashboard password"
+    at.text_input[0].input("wrong").run()
+    assert "Wrong password." in texts(at.error) and not at.metric
+    at.text_input[0].input("s3cret-pw").run()
+    assert not at.exception and at.metric  # the page itself

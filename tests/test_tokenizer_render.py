@@ -1,0 +1,234 @@
+"""Loss masks on the real SmolLM2 tokenizer, under its own ChatML template and under Qwen3-style and
+Llama-3-style templates written here (set on a copy of the same tokenizer).
+
+Property: decoding the masked tokens gives exactly the assistant's generated text plus the
+end-of-turn token; no prompt token is masked; the fast (batched) path equals the reference path.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from services.tokenizer.render import TemplateError
+from services.tokenizer.samples import SampleBuilder
+from shared.config import load_config
+from shared.messages import ChatMessage
+from shared.model import load_tokenizer
+from shared.records import CompletionRecord
+
+QWEN3_STYLE = (
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' and loop.last %}"
+    "{%- set r = message.reasoning_content if message.reasoning_content else '' %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' + r.strip('\\n') + '\\n</think>\\n\\n' + message.content.lstrip('\\n')"
+    " + '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+# Like QWEN3_STYLE, but the generation prompt never holds the empty think block: the template inserts it by
+# itself when it renders an answer without reasoning (it must get mask 0).
+AUTO_THINK = QWEN3_STYLE.replace(
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}",
+    "",
+)
+LLAMA3_STYLE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{{- '<|start_header_id|>' + message.role + '<|end_header_id|>\\n\\n' + message.content | trim + '<|eot_id|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def smol(target_dir):
+    return load_tokenizer(str(target_dir))
+
+
+@pytest.fixture(scope="module")
+def qwen3(smol):
+    return qwen3_tokenizer(smol)
+
+
+@pytest.fixture(scope="module")
+def auto_think(smol):
+    return qwen3_tokenizer(smol, AUTO_THINK)
+
+
+@pytest.fixture(scope="module")
+def llama3(smol):
+    return llama3_tokenizer(smol)
+
+
+_builders: dict = {}
+
+
+def builder_for(tok, thinking: bool, train_on_reasoning: bool = True) -> SampleBuilder:
+    key = (id(tok), thinking, train_on_reasoning)
+    if key not in _builders:
+        _builders[key] = SampleBuilder(tok, config(thinking, train_on_reasoning))
+    return _builders[key]
+
+
+def qwen3_tokenizer(base, template=QWEN3_STYLE):
+    tok = copy.deepcopy(base)
+    tok.add_tokens(["<think>", "</think>"])
+    tok.chat_template = template
+    return tok
+
+
+def llama3_tokenizer(base):
+    tok = copy.deepcopy(base)
+    tok.add_special_tokens({"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>",
+                            "additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>"]})
+    tok.chat_template = LLAMA3_STYLE
+    return tok
+
+
+def config(thinking: bool, train_on_reasoning: bool = True, **tokenizer):
+    cfg = load_config(env={})
+    import msgspec
+
+    t = msgspec.structs.replace(cfg.tokenizer, min_supervised_tokens=1, repetition_min_tail=10**6,
+                                train_on_reasoning=train_on_reasoning, **tokenizer)
+    s = msgspec.structs.replace(cfg.sampling, enable_thinking=thinking)
+    return msgspec.structs.replace(cfg, tokenizer=t, sampling=s)
+
+
+words = st.text(
+    alphabet=st.characters(codec="utf-8", categories=("L", "N", "P", "S", "Zs"), exclude_characters="<>|"),
+    min_size=1, max_size=40,
+).map(str.strip).filter(bool)
+paragraph = st.lists(words, min_size=1, max_size=3).map("\n".join)
+
+
+@st.composite
+def conversations(draw, reasoning: bool):
+    msgs = []
+    if draw(st.booleans()):
+        msgs.append(ChatMessage(role="system", content=draw(paragraph)))
+    for _ in range(draw(st.integers(0, 2))):
+        msgs.append(ChatMessage(role="user", content=draw(paragraph)))
+        msgs.append(ChatMessage(role="assistant", content=draw(paragraph)))
+    msgs.append(ChatMessage(role="user", content=draw(paragraph)))
+    return msgs, draw(paragraph), (draw(paragraph) if reasoning else None)
+
+
+def masked_text(tok, sample) -> str:
+    ids = [t for t, m in zip(sample.input_ids, sample.loss_mask, strict=True) if m]
+    return tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def check_sample(tok, builder, msgs, content, reasoning, expected: str, thinking: bool):
+    rec = CompletionRecord(run="r", prompt_id="p", messages=msgs, completion=content, reasoning=reasoning)
+    fast = builder.build([rec])
+    assert fast.dropped() == {} and len(fast.samples) == 1
+    (sample,) = fast.samples
+    assert masked_text(tok, sample) == expected
+    # the masked tokens are one contiguous run ending at the end-of-turn token
+    first = sample.loss_mask.index(1)
+    assert all(sample.loss_mask[first: first + sample.num_supervised])
+    assert sample.input_ids[first + sample.num_supervised - 1] in builder.stop_ids
+    context = [{"role": m.role, "content": m.content} for m in msgs]
+    prompt = tok.apply_chat_template(context, tokenize=False, add_generation_prompt=True, enable_thinking=thinking)
+    prompt_ids = tok(prompt, add_special_tokens=False)["input_ids"]
+    assert sample.input_ids[: len(prompt_ids)] == prompt_ids
+    assert not any(sample.loss_mask[: len(prompt_ids)])  # no prompt token is masked in
+    assert builder.build([rec], batched=False).samples == fast.samples  # fast path == reference path
+    return sample
+
+
+SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@SETTINGS
+@given(conv=conversations(reasoning=False))
+def test_chatml_smollm2_masks_exactly_the_answer(smol, conv):
+    msgs, content, _ = conv
+    builder = builder_for(smol, thinking=False)
+    sample = check_sample(smol, builder, msgs, content, None, content + "<|im_end|>", False)
+    # the template's newline after <|im_end|> is scaffolding: last token, unmasked
+    assert sample.loss_mask[-1] == 0 and smol.decode(sample.input_ids[-1:]) == "\n"
+
+
+@SETTINGS
+@given(conv=conversations(reasoning=True))
+def test_qwen3_style_thinking_masks_reasoning_and_answer(qwen3, conv):
+    msgs, content, reasoning = conv
+    tok = qwen3
+    builder = builder_for(tok, thinking=True)
+    expected = "<think>\n" + reasoning + "\n</think>\n\n" + content + "<|im_end|>"
+    check_sample(tok, builder, msgs, content, reasoning, expected, True)
+
+
+@SETTINGS
+@given(conv=conversations(reasoning=True))
+def test_qwen3_style_reasoning_not_trained_is_in_context_but_unmasked(qwen3, conv):
+    msgs, content, reasoning = conv
+    tok = qwen3
+    builder = builder_for(tok, thinking=True, train_on_reasoning=False)
+    sample = check_sample(tok, builder, msgs, content, reasoning, content + "<|im_end|>", True)
+    assert reasoning in tok.decode(sample.input_ids)
+
+
+@SETTINGS
+@given(conv=conversations(reasoning=False), auto=st.booleans())
+def test_qwen3_style_empty_think_block_is_scaffolding(qwen3, auto_think, conv, auto):
+    """Thinking off: the empty <think></think> block (in the prompt, or inserted by the template) gets mask 0."""
+    msgs, content, _ = conv
+    tok = auto_think if auto else qwen3
+    builder = builder_for(tok, thinking=False)
+    sample = check_sample(tok, builder, msgs, content, None, content + "<|im_end|>", False)
+    full = tok.decode(sample.input_ids)
+    assert full.count("<think>\n\n</think>\n\n" + content) == 1
+
+
+@SETTINGS
+@given(conv=conversations(reasoning=False))
+def test_llama3_style_masks_exactly_the_answer(llama3, conv):
+    msgs, content, _ = conv
+    tok = llama3
+    builder = builder_for(tok, thinking=False)
+    sample = check_sample(tok, builder, msgs, content, None, content + "<|eot_id|>", False)
+    assert sample.input_ids[0] == tok.bos_token_id and sample.loss_mask[-1] == 1  # nothing after <|eot_id|>
+
+
+def test_template_breaking_the_token_prefix_property_fails_loudly(smol):
+    tok = copy.deepcopy(smol)
+    # The generation prompt stops inside the template's own "<think>" scaffolding (no <think> token in this
+    # vocabulary): the prompt's last tokens are not the conversation's tokens.
+    tok.chat_template = AUTO_THINK.replace("'<|im_start|>assistant\\n' }}", "'<|im_start|>assistant\\n<thi' }}")
+    assert tok.chat_template != AUTO_THINK
+    with pytest.raises(TemplateError, match="prefix property"):
+        SampleBuilder(tok, config(thinking=False))
+
+
+def test_template_breaking_the_string_prefix_property_fails_loudly(smol):
+    tok = copy.deepcopy(smol)
+    # the generation prompt opens a think block that the rendered conversation never has
+    tok.chat_template = smol.chat_template.replace("'<|im_start|>assistant\n'", "'<|im_start|>assistant\n<think>'")
+    assert tok.chat_template != smol.chat_template
+    with pytest.raises(TemplateError, match="not a prefix"):
+        SampleBuilder(tok, config(thinking=False))
+
+
+def test_thinking_on_with_a_template_that_drops_reasoning_fails_loudly(smol):
+    with pytest.raises(TemplateError, match="does not render the assistant's reasoning"):
+        SampleBuilder(smol, config(thinking=True))
+
+
+def test_template_without_a_stop_token_after_the_answer_fails_loudly(smol):
+    tok = copy.deepcopy(smol)
+    tok.chat_template = smol.chat_template.replace("'<|im_end|>' + '\n'", "'\n\n'")
+    assert tok.chat_template != smol.chat_template
+    with pytest.raises(TemplateError, match="no stop token"):
+        SampleBuilder(tok, config(thinking=False))
