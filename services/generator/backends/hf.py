@@ -17,6 +17,8 @@ from . import GenRequest, GenResult, PromptRefused, render_prompt, split_reasoni
 
 log = logging.getLogger("dflash.generator.hf")
 
+BATCH_WAIT_S = 0.02
+
 
 class HFBackend:
     engine = "hf"
@@ -68,9 +70,17 @@ class HFBackend:
     async def _batcher(self) -> None:
         while True:
             batch = [await self._queue.get()]
-            await asyncio.sleep(0)  # let requests that arrive in the same tick join
-            while len(batch) < self.batch_size and not self._queue.empty():
-                batch.append(self._queue.get_nowait())
+            # Requests freed by the previous batch come back a few loop turns apart: give them a
+            # moment (BATCH_WAIT_S, small next to a generate() call) to join instead of splitting.
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + BATCH_WAIT_S
+            while len(batch) < self.batch_size:
+                if not self._queue.empty():
+                    batch.append(self._queue.get_nowait())
+                elif loop.time() < deadline:
+                    await asyncio.sleep(0.002)  # polling: a cancelled get() could drop a request
+                else:
+                    break
             live = [(r, f) for r, f in batch if not f.cancelled()]
             if not live:
                 continue
