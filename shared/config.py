@@ -134,6 +134,11 @@ class TrainerConfig(Section):
     checkpoint_every: int = 200
     logits_chunk: int = 2048
     seed: int = 0
+    holdout_mod: int = 20  # every 20th prompt (by id hash) is held out of training for `dflash eval`
+    progress_every: int = 1  # steps between TrainerProgress events
+    wait_for_data_s: float = 3600.0  # how long to wait for the first tokenized shard
+    eval_prompts: int = 16
+    eval_max_new_tokens: int = 64
 
 
 class DashboardConfig(Section):

@@ -1,0 +1,137 @@
+"""`dflash train`, `dflash eval` and `dflash plan`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from typing import Any
+
+
+def _train(args: argparse.Namespace) -> int:
+    from shared.cli import load
+
+    from .train import run_trainer
+
+    cfg = load(args)
+    p = asyncio.run(run_trainer(cfg))
+    print(f"trainer {cfg.run}: step {p.step}, loss {p.loss:.4f}, estimated τ {p.estimated_tau:.2f}, "
+          f"state {p.state}, checkpoint {p.checkpoint_key}")
+    return 0 if p.state == "done" else 3  # "stopped": resumable, not finished
+
+
+async def _eval_async(cfg: Any, limit: int | None) -> dict:
+    import torch
+
+    from shared.bus import Bus
+    from shared.messages import EvalReport, Subjects
+    from shared.store import Keys, Store
+
+    from .data import load_samples, shard_keys
+    from .eval import evaluate, prompt_part
+    from .features import Target
+    from .model import DFlashDrafter
+    from .train import latest_key
+
+    store = await asyncio.to_thread(Store.open, cfg)
+    async with await Bus.connect(cfg.bus, "eval", deadline_s=30) as bus:
+        keys = await shard_keys(bus, cfg.run)
+        held = await asyncio.to_thread(load_samples, store, keys, holdout_mod=cfg.trainer.holdout_mod, train=False)
+        prompts = [prompt_part(s) for s in held][: limit or cfg.trainer.eval_prompts]
+        if not prompts:
+            raise SystemExit(f"dflash eval: run {cfg.run} has no held-out samples (trainer.holdout_mod)")
+        ckpt = json.loads(await asyncio.to_thread(store.get_bytes, latest_key(cfg.run)))["key"]
+
+        def run() -> dict:
+            import tempfile
+            from pathlib import Path
+
+            from shared.model import load_causal_lm, load_tokenizer
+
+            with tempfile.TemporaryDirectory() as tmp:
+                for name in ("config.json", "model.safetensors"):
+                    store.get_file(f"{ckpt}drafter/{name}", Path(tmp) / name)
+                drafter = DFlashDrafter.load(Path(tmp))
+            lm = load_causal_lm(cfg.model.target)
+            tok = load_tokenizer(cfg.model.target)
+            eos = lm.generation_config.eos_token_id
+            eos = set(eos if isinstance(eos, list) else [eos if eos is not None else tok.eos_token_id])
+            torch.manual_seed(0)
+            return evaluate(Target(lm, drafter.config.target_layer_ids), drafter, prompts,
+                            cfg.trainer.eval_max_new_tokens, eos)
+
+        r = await asyncio.to_thread(run)
+        report = EvalReport(run=cfg.run, checkpoint_key=ckpt, prompts=r["prompts"], tau=r["tau"],
+                            acceptance_histogram=r["acceptance_histogram"], speedup=r["speedup"],
+                            lossless=r["lossless"], mismatches=r["mismatches"])
+        import msgspec
+
+        await asyncio.to_thread(store.put_bytes, Keys.eval_report(cfg.run), msgspec.json.encode(report),
+                                "application/json")
+        await bus.publish(Subjects.progress(cfg.run, "eval", "eval"), report)
+        return r
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from shared.cli import load
+
+    cfg = load(args)
+    r = asyncio.run(_eval_async(cfg, args.prompts))
+    print(f"eval {cfg.run}: τ = {r['tau']:.3f} over {r['cycles']} cycles on {r['prompts']} held-out prompts; "
+          f"speedup {r['speedup']:.2f}x vs greedy; lossless: {r['lossless']} ({r['mismatches']} mismatches)")
+    print(f"  acceptance histogram (tokens per cycle): {r['acceptance_histogram']}")
+    return 0 if r["lossless"] else 1
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from .plan import Plan, format_plan
+
+    rate = args.tokens_per_s
+    if args.live_run:
+        from shared.bus import Bus
+        from shared.cli import load
+        from shared.messages import GeneratorProgress
+
+        cfg = load(argparse.Namespace(config=args.config, run=args.live_run))
+
+        async def live() -> tuple[float, int]:
+            async with await Bus.connect(cfg.bus, "plan", deadline_s=10) as bus:
+                latest = await bus.latest_per_subject("PROGRESS", f"dflash.{cfg.run}.generate.progress.*")
+            rates = [p.completion_tokens_per_s for _, p in latest if isinstance(p, GeneratorProgress)
+                     and p.state == "running"]
+            return (sum(rates) / len(rates) if rates else 0.0), len(rates)
+
+        rate, n = asyncio.run(live())
+        if not n:
+            print(f"no running generator in run {args.live_run}")
+            return 1
+        print(f"live: {n} generator(s) of run {args.live_run}, {rate:.1f} tok/s each on average")
+    p = Plan(samples=args.samples, avg_tokens=args.avg_tokens, avg_completion_tokens=args.avg_completion_tokens
+             or args.avg_tokens, target_layers=args.layers, hidden=args.hidden, feature_layers=args.feature_layers,
+             gpus=args.gpus, tokens_per_s_per_gpu=rate, target_params_b=args.params_b, epochs=args.epochs)
+    print(json.dumps(p.report(), indent=2) if args.json else format_plan(p))
+    return 0
+
+
+def register(sub: Any, replay: Any) -> None:
+    p = sub.add_parser("train", help="train the DFlash drafter on a run's tokenized shards (online target features)")
+    p.add_argument("--run", required=True)
+    p.set_defaults(func=_train)
+    e = sub.add_parser("eval", help="speculative decoding with the latest checkpoint: τ, speedup, losslessness")
+    e.add_argument("--run", required=True)
+    e.add_argument("--prompts", type=int, default=None, help="held-out prompts to use")
+    e.set_defaults(func=_eval)
+    pl = sub.add_parser("plan", help="capacity planner: generation ETA, offline storage, online training cost")
+    pl.add_argument("--samples", type=int, default=902_087)
+    pl.add_argument("--avg-tokens", type=float, default=2000)
+    pl.add_argument("--avg-completion-tokens", type=float, default=2500)
+    pl.add_argument("--layers", type=int, default=64, help="target layers")
+    pl.add_argument("--hidden", type=int, default=5120, help="target hidden size")
+    pl.add_argument("--feature-layers", type=int, default=5)
+    pl.add_argument("--gpus", type=int, default=4)
+    pl.add_argument("--tokens-per-s", type=float, default=400.0, help="generation tokens/s per GPU")
+    pl.add_argument("--params-b", type=float, default=27.0, help="target parameters, billions")
+    pl.add_argument("--epochs", type=int, default=6)
+    pl.add_argument("--live-run", default=None, help="take tokens/s per GPU from this run's live generators")
+    pl.add_argument("--json", action="store_true")
+    pl.set_defaults(func=_plan)

@@ -1,0 +1,212 @@
+"""The DFlash drafter: a few Llama/Qwen3-style decoder layers that denoise a block of mask tokens
+in one pass, conditioned on the target's hidden states by KV injection.
+
+Shapes: D hidden size, k feature layers, C context positions, Q = n_blocks·B query positions.
+- fuse:   concat of k target layers [C, k·D] → Linear(k·D → D, no bias) → RMSNorm → context [C, D]
+- layer:  Q from the block tokens only; K = [k_proj(context); k_proj(block)], V likewise, so the
+          block attends to the target's features of the context and (bidirectionally) to itself.
+- head:   the target's own embedding and LM head, frozen, not part of this module's weights.
+
+The checkpoint layout follows the public DFlash drafters: `config.json` with
+`architectures: ["DFlashDraftModel"]`, `block_size`, `num_target_layers`,
+`dflash_config: {mask_token_id, target_layer_ids}` and Qwen3-style layer names in
+`model.safetensors` (`layers.N.self_attn.{q,k,v,o}_proj`, `q_norm`, `k_norm`, `mlp.{gate,up,down}_proj`,
+`input_layernorm`, `post_attention_layernorm`, `norm`, `fc`, `hidden_norm`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def feature_layer_ids(num_target_layers: int, k: int) -> list[int]:
+    """The paper's rule: k layers spread from layer 1 to layer N−3, `round(1 + i·(N−4)/(k−1))` (half up)."""
+    if k == 1:
+        return [1]
+    return [math.floor(1 + i * (num_target_layers - 4) / (k - 1) + 0.5) for i in range(k)]
+
+
+def resolve_mask_token_id(tokenizer: Any, vocab_size: int) -> int:
+    """An id that already exists in the target's embedding, in this order: the tokenizer's mask token,
+    then its pad token when it differs from eos, then unk, then eos (e.g. SmolLM2: unk `<|endoftext|>`)."""
+    candidates = [getattr(tokenizer, "mask_token_id", None)]
+    pad, eos = getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None)
+    candidates += [pad if pad != eos else None, getattr(tokenizer, "unk_token_id", None), eos]
+    for c in candidates:
+        if c is not None and 0 <= int(c) < vocab_size:
+            return int(c)
+    raise ValueError("no usable mask token id: the tokenizer has no mask, pad, unk or eos token")
+
+
+@dataclass
+class DFlashConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    block_size: int
+    num_target_layers: int
+    target_layer_ids: list[int]
+    mask_token_id: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 8192
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_hf(self) -> dict[str, Any]:
+        """config.json in the public DFlash drafters' layout."""
+        d = asdict(self)
+        ids, mask = d.pop("target_layer_ids"), d.pop("mask_token_id")
+        d.pop("extra")
+        return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", **d,
+                "dflash_config": {"mask_token_id": mask, "target_layer_ids": ids}, "torch_dtype": "float32",
+                **self.extra}
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any]) -> DFlashConfig:
+        fields = {k: d[k] for k in cls.__dataclass_fields__ if k in d and k not in ("extra",)}
+        fields["target_layer_ids"] = d["dflash_config"]["target_layer_ids"]
+        fields["mask_token_id"] = d["dflash_config"]["mask_token_id"]
+        return cls(**fields)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding, half-split layout (as Llama/Qwen3). x [H, T, hd], pos [T]."""
+    hd = x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd))
+    ang = pos.float()[:, None] * inv[None, :]  # [T, hd/2]
+    cos, sin = torch.cat([ang.cos(), ang.cos()], -1).to(x.dtype), torch.cat([ang.sin(), ang.sin()], -1).to(x.dtype)
+    x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, c: DFlashConfig) -> None:
+        super().__init__()
+        self.c = c
+        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, q_pos: torch.Tensor, ctx_pos: torch.Tensor,
+                mask: torch.Tensor) -> torch.Tensor:
+        # x [Q, D] block tokens, ctx [C, D] fused context, mask [Q, C+Q] True = may attend
+        c = self.c
+        hq, hk, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        q = self.q_norm(self.q_proj(x).view(-1, hq, hd)).transpose(0, 1)  # [Hq, Q, hd]
+        kv_in = torch.cat([ctx, x], 0)  # [C+Q, D]: KV injection
+        k = self.k_norm(self.k_proj(kv_in).view(-1, hk, hd)).transpose(0, 1)  # [Hk, C+Q, hd]
+        v = self.v_proj(kv_in).view(-1, hk, hd).transpose(0, 1)
+        kv_pos = torch.cat([ctx_pos, q_pos])
+        q, k = rope(q, q_pos, c.rope_theta), rope(k, kv_pos, c.rope_theta)
+        rep = hq // hk
+        k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)  # GQA
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None])  # [Hq, Q, hd]
+        return self.o_proj(y.transpose(0, 1).reshape(-1, hq * hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, c: DFlashConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: DFlashConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MLP(c)
+
+    def forward(self, x, ctx, q_pos, ctx_pos, mask):
+        x = x + self.self_attn(self.input_layernorm(x), ctx, q_pos, ctx_pos, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, c: DFlashConfig) -> None:
+        super().__init__()
+        self.config = c
+        k = len(c.target_layer_ids)
+        self.fc = nn.Linear(k * c.hidden_size, c.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        return self.hidden_norm(self.fc(features))  # [C, k·D] → [C, D]
+
+    def forward(self, block_emb: torch.Tensor, features: torch.Tensor, q_pos: torch.Tensor, ctx_pos: torch.Tensor,
+                mask: torch.Tensor) -> torch.Tensor:
+        """block_emb [Q, D] (target embeddings of anchor + mask tokens), features [C, k·D] → hidden [Q, D]."""
+        ctx = self.fuse(features)
+        x = block_emb
+        for layer in self.layers:
+            x = layer(x, ctx, q_pos, ctx_pos, mask)
+        return self.norm(x)
+
+    @classmethod
+    def for_target(cls, target_config: Any, *, num_layers: int, block_size: int, layer_ids: list[int],
+                   mask_token_id: int) -> DFlashDrafter:
+        t = target_config
+        rope_params = getattr(t, "rope_parameters", None) or {}
+        theta = rope_params.get("rope_theta", getattr(t, "rope_theta", 10000.0))
+        heads = t.num_attention_heads
+        c = DFlashConfig(
+            hidden_size=t.hidden_size, intermediate_size=t.intermediate_size, num_hidden_layers=num_layers,
+            num_attention_heads=heads, num_key_value_heads=getattr(t, "num_key_value_heads", heads),
+            head_dim=getattr(t, "head_dim", None) or t.hidden_size // heads, vocab_size=t.vocab_size,
+            block_size=block_size, num_target_layers=t.num_hidden_layers, target_layer_ids=layer_ids,
+            mask_token_id=mask_token_id, rms_norm_eps=t.rms_norm_eps, rope_theta=float(theta),
+            max_position_embeddings=getattr(t, "max_position_embeddings", 8192),
+        )
+        return cls(c)
+
+    def save(self, directory: Path) -> None:
+        from safetensors.torch import save_file
+
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "config.json").write_text(json.dumps(self.config.to_hf(), indent=2) + "\n")
+        save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()},
+                  directory / "model.safetensors", metadata={"format": "pt"})
+
+    @classmethod
+    def load(cls, directory: Path) -> DFlashDrafter:
+        from safetensors.torch import load_file
+
+        model = cls(DFlashConfig.from_hf(json.loads((directory / "config.json").read_text())))
+        model.load_state_dict(load_file(directory / "model.safetensors"))
+        return model

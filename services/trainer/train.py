@@ -1,0 +1,321 @@
+"""Training loop: frozen target forward (online features) → drafter on all blocks of a sequence at once.
+
+One optimizer step = `grad_accum` micro-batches of whole sequences up to `token_budget` tokens.
+The loss is Σ w·CE / Σ w over the whole step: the weights do not depend on the model, so the
+step's weight sum is known before any forward and every micro-batch backpropagates its share.
+Anchors are drawn from a generator seeded by (seed, step, sequence), so a resumed run draws
+exactly what an uninterrupted one would; the data cursor and optimizer/scheduler states are in
+every checkpoint, which makes resume exact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+import torch.nn.functional as F
+
+from shared.bus import Bus, ProgressLoop
+from shared.config import Config
+from shared.messages import Subjects, TrainerProgress
+from shared.records import TokenizedSample
+from shared.store import Keys, Store
+
+from .blocks import estimated_tau, make_blocks, sample_anchors
+from .data import epoch_order, load_samples, shard_keys
+from .features import Target
+from .model import DFlashDrafter, feature_layer_ids, resolve_mask_token_id
+
+log = logging.getLogger("dflash.trainer")
+
+
+def latest_key(run: str) -> str:
+    return f"runs/{run}/checkpoints/latest.json"
+
+
+@dataclass
+class Cursor:
+    epoch: int = 0
+    position: int = 0  # index into the epoch's order
+    keys: list[str] = field(default_factory=list)  # the epoch's shard list
+
+
+def lr_lambda(total: int, warmup_ratio: float):
+    warm = max(1, round(total * warmup_ratio))
+
+    def f(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        progress = min(1.0, (step - warm) / max(1, total - warm))
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return f
+
+
+def build(cfg: Config, device: str) -> tuple[Target, DFlashDrafter, Any]:
+    from shared.model import load_causal_lm, load_tokenizer
+
+    t = cfg.trainer
+    tok = load_tokenizer(cfg.model.target)
+    lm = load_causal_lm(cfg.model.target, device=device)
+    n = lm.config.num_hidden_layers
+    ids = list(t.target_layer_ids) or feature_layer_ids(n, t.num_feature_layers)
+    drafter = DFlashDrafter.for_target(lm.config, num_layers=t.num_layers, block_size=t.block_size, layer_ids=ids,
+                                       mask_token_id=resolve_mask_token_id(tok, lm.config.vocab_size)).to(device)
+    return Target(lm, ids), drafter, tok
+
+
+def sequence_loss(target: Target, drafter: DFlashDrafter, sample: TokenizedSample, anchors_n: int, seed: int,
+                  step: int, index: int, max_length: int, chunk: int, scale: float, stats: dict) -> None:
+    """Forward + backward of one sequence's blocks; adds to stats (loss numerator, per-slot hits)."""
+    c = drafter.config
+    device = next(drafter.parameters()).device
+    ids = torch.tensor(sample.input_ids[:max_length], dtype=torch.long)
+    mask = torch.tensor(sample.loss_mask[:max_length], dtype=torch.long)
+    g = torch.Generator().manual_seed((seed * 1_000_003 + step) * 65_537 + index)
+    anchors = sample_anchors(mask, anchors_n, g)
+    if len(anchors) == 0:
+        return
+    b = make_blocks(ids, mask, anchors, c.block_size, c.mask_token_id)
+    t0 = time.perf_counter()
+    feats = target.features(ids.to(device))  # [S, k·D]
+    stats["target_s"] += time.perf_counter() - t0
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        emb = target.embed(b.block_ids.to(device))
+        hidden = drafter(emb, feats, b.q_pos.to(device), torch.arange(len(ids), device=device), b.mask.to(device))
+    w = b.weights.to(device)
+    keep = torch.nonzero(w > 0).flatten()
+    labels = b.labels.to(device)
+    total = hidden.new_zeros(())
+    slot = (torch.arange(len(w), device=device) % c.block_size)
+    for start in range(0, len(keep), chunk):  # the vocabulary never materializes for all blocks at once
+        idx = keep[start:start + chunk]
+        logits = target.lm_head(hidden[idx]).float()
+        ce = F.cross_entropy(logits, labels[idx], reduction="none")
+        total = total + (ce * w[idx]).sum()
+        hits = (logits.argmax(-1) == labels[idx]).float()
+        stats["hits"].index_add_(0, slot[idx].cpu(), hits.detach().cpu())
+        stats["counts"].index_add_(0, slot[idx].cpu(), torch.ones_like(hits).cpu())
+    (total * scale).backward()
+    stats["loss_sum"] += float(total.detach())
+    stats["tokens"] += len(ids)
+
+
+class Trainer:
+    def __init__(self, cfg: Config, bus: Bus, store: Store, *, worker: str = "trainer", device: str | None = None):
+        self.cfg, self.bus, self.store, self.worker = cfg, bus, store, worker
+        self.run = cfg.run
+        dev = device or cfg.model.device
+        if dev == "auto":
+            dev = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = dev
+        self.target, self.drafter, self.tok = build(cfg, dev)
+        t = cfg.trainer
+        self.opt = torch.optim.AdamW(self.drafter.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+        self.step = 0
+        self.total_steps = 0
+        self.cursor = Cursor()
+        self.sched: Any = None
+        self.last = TrainerProgress(run=self.run, worker=worker, state="starting")
+        self.resumed_from: int | None = None
+
+    # --- data --------------------------------------------------------------------------------
+
+    async def _wait_for_keys(self) -> list[str]:
+        end = time.monotonic() + self.cfg.trainer.wait_for_data_s
+        while True:
+            keys = await shard_keys(self.bus, self.run)
+            if keys or time.monotonic() > end:
+                return keys
+            self.last = msgspec.structs.replace(self.last, state="waiting for data", ts=time.time())
+            await asyncio.sleep(5)
+
+    def _samples(self, keys: list[str]) -> list[TokenizedSample]:
+        return load_samples(self.store, keys, holdout_mod=self.cfg.trainer.holdout_mod, train=True)
+
+    # --- checkpoints -------------------------------------------------------------------------
+
+    def _plan_total(self, samples: list[TokenizedSample]) -> int:
+        t = self.cfg.trainer
+        if t.max_steps:
+            return t.max_steps
+        avg = sum(min(s.num_tokens, t.max_length) for s in samples) / max(1, len(samples))
+        per_step = t.grad_accum * max(1, int(t.token_budget // max(1.0, avg)))
+        return max(1, t.epochs * math.ceil(len(samples) / per_step))
+
+    def save_checkpoint(self) -> str:
+        prefix = Keys.checkpoint(self.run, self.step)
+        tmp = Path(tempfile.mkdtemp(prefix="dflash-ckpt-"))
+        try:
+            self.drafter.save(tmp / "drafter")
+            torch.save({"optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(), "step": self.step,
+                        "total_steps": self.total_steps, "cursor": self.cursor.__dict__,
+                        "torch_rng": torch.get_rng_state()}, tmp / "state.pt")
+            for path in sorted(tmp.rglob("*")):
+                if path.is_file():
+                    self.store.put_file(prefix + str(path.relative_to(tmp)), path)
+            self.store.put_bytes(latest_key(self.run), json.dumps({"step": self.step, "key": prefix}).encode(),
+                                 "application/json")
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        log.info("checkpoint %s", prefix)
+        return prefix
+
+    def load_latest(self) -> bool:
+        if not self.store.exists(latest_key(self.run)):
+            return False
+        prefix = json.loads(self.store.get_bytes(latest_key(self.run)))["key"]
+        tmp = Path(tempfile.mkdtemp(prefix="dflash-ckpt-"))
+        try:
+            for key in self.store.list(prefix):
+                dest = tmp / key[len(prefix):]
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                self.store.get_file(key, dest)
+            loaded = DFlashDrafter.load(tmp / "drafter")
+            self.drafter.load_state_dict(loaded.state_dict())
+            state = torch.load(tmp / "state.pt", weights_only=False)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        self.step, self.total_steps = state["step"], state["total_steps"]
+        # The scheduler first (its constructor rewrites the groups' lr), then the optimizer's saved
+        # state (the lr the next step must use), then the scheduler's position.
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(self.total_steps, self.cfg.trainer.warmup_ratio))
+        self.opt.load_state_dict(state["optimizer"])
+        self.sched.load_state_dict(state["scheduler"])
+        self.cursor = Cursor(**state["cursor"])
+        torch.set_rng_state(state["torch_rng"])
+        self.resumed_from = self.step
+        log.info("resumed from %s (step %d of %d)", prefix, self.step, self.total_steps)
+        return True
+
+    # --- the loop ----------------------------------------------------------------------------
+
+    def _next_microbatch(self, samples: list[TokenizedSample], order: list[int]) -> list[tuple[int, TokenizedSample]]:
+        t = self.cfg.trainer
+        out, tokens = [], 0
+        while self.cursor.position < len(order):
+            s = samples[order[self.cursor.position]]
+            n = min(s.num_tokens, t.max_length)
+            if out and tokens + n > t.token_budget:
+                break
+            out.append((self.cursor.position, s))
+            tokens += n
+            self.cursor.position += 1
+        return out
+
+    def train_step(self, samples: list[TokenizedSample], order: list[int]) -> dict | None:
+        t, c = self.cfg.trainer, self.drafter.config
+        micro = []
+        for _ in range(t.grad_accum):
+            mb = self._next_microbatch(samples, order)
+            if not mb:
+                break
+            micro.append(mb)
+        if not micro:
+            return None
+        # the step's weight sum first: loss = Σ w·CE / Σ w over the whole optimizer step
+        weight_sum = 0.0
+        for mb in micro:
+            for pos, s in mb:
+                ids = torch.tensor(s.input_ids[: t.max_length])
+                mask = torch.tensor(s.loss_mask[: t.max_length])
+                g = torch.Generator().manual_seed((t.seed * 1_000_003 + self.step) * 65_537 + pos)
+                anchors = sample_anchors(mask, t.anchors_per_sequence, g)
+                if len(anchors):
+                    weight_sum += float(make_blocks(ids, mask, anchors, c.block_size, c.mask_token_id).weights.sum())
+        stats = {"loss_sum": 0.0, "tokens": 0, "target_s": 0.0, "hits": torch.zeros(c.block_size),
+                 "counts": torch.zeros(c.block_size)}
+        t0 = time.perf_counter()
+        self.drafter.train()
+        self.opt.zero_grad(set_to_none=True)
+        if weight_sum > 0:
+            for mb in micro:
+                for pos, s in mb:
+                    sequence_loss(self.target, self.drafter, s, t.anchors_per_sequence, t.seed, self.step, pos,
+                                  t.max_length, t.logits_chunk, 1.0 / weight_sum, stats)
+            torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), t.grad_clip)
+            self.opt.step()
+        self.sched.step()
+        self.step += 1
+        elapsed = time.perf_counter() - t0
+        acc = (stats["hits"][1:] / stats["counts"][1:].clamp(min=1)).tolist()
+        return {"loss": stats["loss_sum"] / weight_sum if weight_sum else 0.0, "acc": acc,
+                "tokens_per_s": stats["tokens"] / elapsed, "target_share": stats["target_s"] / elapsed,
+                "samples": sum(len(mb) for mb in micro)}
+
+    async def run_until(self, stop: asyncio.Event) -> TrainerProgress:
+        t = self.cfg.trainer
+        resumed = await asyncio.to_thread(self.load_latest)
+        subject = Subjects.progress(self.run, "train", self.worker)
+        samples: list[TokenizedSample] = []
+        checkpoint_key: str | None = None
+        seen = 0
+        async with ProgressLoop(self.bus, subject, lambda: self.last, 10.0):
+            if resumed:
+                samples = await asyncio.to_thread(self._samples, self.cursor.keys)
+            else:
+                keys = await self._wait_for_keys()
+                if not keys:
+                    raise RuntimeError(f"no tokenized shards for run {self.run} after {t.wait_for_data_s:.0f}s")
+                samples = await asyncio.to_thread(self._samples, keys)
+                if not samples:
+                    raise RuntimeError(f"run {self.run}: tokenized shards hold no trainable sample")
+                self.cursor = Cursor(epoch=0, position=0, keys=keys)
+                self.total_steps = self._plan_total(samples)
+                self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(self.total_steps, t.warmup_ratio))
+            order = epoch_order(len(samples), t.seed, self.cursor.epoch)
+            while self.step < self.total_steps and not stop.is_set():
+                if self.cursor.position >= len(order):
+                    self.cursor.epoch += 1
+                    if not t.max_steps and self.cursor.epoch >= t.epochs:
+                        break
+                    keys = await shard_keys(self.bus, self.run)  # shards tokenized since join this epoch
+                    if keys != self.cursor.keys:
+                        samples = await asyncio.to_thread(self._samples, keys)
+                    self.cursor.keys, self.cursor.position = keys, 0
+                    order = epoch_order(len(samples), t.seed, self.cursor.epoch)
+                out = await asyncio.to_thread(self.train_step, samples, order)
+                if out is None:
+                    continue
+                seen += out["samples"]
+                if self.step % t.checkpoint_every == 0 or self.step >= self.total_steps:
+                    checkpoint_key = await asyncio.to_thread(self.save_checkpoint)
+                self.last = TrainerProgress(
+                    run=self.run, worker=self.worker, step=self.step, epoch=self.cursor.epoch, loss=out["loss"],
+                    lr=self.sched.get_last_lr()[0], position_accuracy=[round(a, 4) for a in out["acc"]],
+                    estimated_tau=round(estimated_tau(out["acc"]), 4), tokens_per_s=round(out["tokens_per_s"], 1),
+                    target_forward_share=round(out["target_share"], 4), samples_seen=seen,
+                    checkpoint_key=checkpoint_key, state="running",
+                )
+                if self.step % t.progress_every == 0:
+                    await self.bus.publish(subject, self.last)
+            if self.step and (checkpoint_key is None or not checkpoint_key.endswith(f"{self.step:08d}/")):
+                checkpoint_key = await asyncio.to_thread(self.save_checkpoint)
+            done = self.step >= self.total_steps or self.cursor.epoch >= t.epochs
+            self.last = msgspec.structs.replace(self.last, checkpoint_key=checkpoint_key,
+                                                state="done" if done else "stopped", ts=time.time())
+        return self.last
+
+
+async def run_trainer(cfg: Config, *, stop: asyncio.Event | None = None) -> TrainerProgress:
+    from shared.bus import install_stop_signals
+
+    if stop is None:
+        stop = asyncio.Event()
+        install_stop_signals(stop)
+    torch.manual_seed(cfg.trainer.seed)
+    store = await asyncio.to_thread(Store.open, cfg)
+    async with await Bus.connect(cfg.bus, "trainer", deadline_s=60) as bus:
+        await bus.ensure_streams()
+        trainer = await asyncio.to_thread(Trainer, cfg, bus, store)
+        return await trainer.run_until(stop)

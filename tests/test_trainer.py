@@ -1,0 +1,236 @@
+"""DFlash trainer on the real SmolLM2 target, real S3 and a real nats-server.
+
+Tiny settings (one drafter layer, block size 8, a few anchors, short sequences) keep it to a
+couple of minutes on two cores; the code paths are the production ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.trainer.blocks import candidate_anchors, estimated_tau, make_blocks
+from services.trainer.model import DFlashDrafter, feature_layer_ids
+from shared.bus import Bus
+from shared.messages import EvalReport, Subjects, TokenizedShard, TrainerProgress
+from shared.records import ChatMessage, CompletionRecord, samples_to_parquet
+from shared.store import Keys, Store
+from tests.conftest import make_config, new_run
+
+TINY = {"num_layers": 1, "block_size": 8, "anchors_per_sequence": 12, "max_steps": 8, "checkpoint_every": 3,
+        "token_budget": 400, "holdout_mod": 6, "lr": 3e-3, "max_length": 160, "wait_for_data_s": 30,
+        "eval_prompts": 3, "eval_max_new_tokens": 24}
+
+ANSWERS = [
+    "The capital of France is Paris. It is known for the Eiffel Tower, the Louvre and its cafes.",
+    "To boil an egg, place it in boiling water for about nine minutes, then cool it in cold water.",
+    "Photosynthesis is how plants turn light, water and carbon dioxide into sugar and oxygen.",
+    "A haiku has three lines of five, seven and five syllables, and it is often about nature or seasons.",
+    "Python lists are ordered and mutable, while tuples are ordered and immutable, so tuples can be dict keys.",
+    "Water boils at 100 degrees Celsius at sea level and at lower temperatures at altitude.",
+]
+
+
+# --- the three alignment mistakes, caught without a model ---------------------------------------
+
+
+def test_blocks_labels_context_and_weights_are_aligned() -> None:
+    S, B = 20, 4
+    ids = torch.arange(100, 100 + S)
+    mask = torch.tensor([0] * 6 + [1] * (S - 6))
+    anchors = torch.tensor([6, 11, 18])
+    b = make_blocks(ids, mask, anchors, B, mask_token_id=7)
+    labels, weights = b.labels.view(3, B), b.weights.view(3, B)
+    for j, a in enumerate(anchors.tolist()):
+        assert b.block_ids.view(3, B)[j].tolist() == [100 + a, 7, 7, 7]  # anchor, then mask tokens
+        for k in range(B):
+            if a + k < S:
+                assert labels[j, k] == ids[a + k]  # same position: slot k predicts token a+k, not a+k+1
+        assert weights[j, 0] == 0  # the anchor is given, not predicted
+        row = b.mask[j * B]
+        ctx = row[:S]
+        assert ctx[:a].all() and not ctx[a:].any()  # context strictly before the anchor
+        own = row[S:].view(3, B)
+        assert own[j].all() and own.sum() == B  # own block fully, other blocks never
+    # slot 1 weight 1, then exp(-(k-1)/γ); beyond the sequence end: 0
+    assert weights[0, 1] == pytest.approx(1.0)
+    assert weights[0, 2] == pytest.approx(torch.exp(torch.tensor(-1 / (B / 2.3))).item())
+    assert weights[2, 2:].sum() == 0  # positions 20, 21 are past S
+    assert candidate_anchors(mask).min() == 6 and candidate_anchors(mask).max() == S - 2
+    assert estimated_tau([1.0, 1.0]) == 3.0 and estimated_tau([0.0, 1.0]) == 1.0
+
+
+def test_feature_layers_follow_the_papers_rule() -> None:
+    assert feature_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert feature_layer_ids(30, 5) == [1, 8, 14, 21, 27]  # SmolLM2-135M
+    assert feature_layer_ids(64, 5) == [1, 16, 31, 46, 61]
+
+
+def test_target_features_are_layer_outputs_without_shift(target_dir: Path) -> None:
+    from services.trainer.features import Target
+    from shared.model import load_causal_lm
+
+    lm = load_causal_lm(str(target_dir))
+    target = Target(lm, [1, 8])
+    ids = torch.tensor([1, 2, 3, 4, 5])
+    feats = target.features(ids)
+    ref = lm(input_ids=ids[None], output_hidden_states=True).hidden_states
+    D = lm.config.hidden_size
+    assert feats.shape == (5, 2 * D)
+    assert torch.equal(feats[:, :D], ref[2][0]) and torch.equal(feats[:, D:], ref[9][0])
+
+
+def test_checkpoint_layout_matches_public_dflash_drafters(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from safetensors import safe_open
+
+    tc = SimpleNamespace(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, vocab_size=500, num_hidden_layers=12, rms_norm_eps=1e-5, rope_theta=1e5,
+                         max_position_embeddings=512)
+    d = DFlashDrafter.for_target(tc, num_layers=2, block_size=8, layer_ids=[1, 3, 5, 7, 9], mask_token_id=0)
+    d.save(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"]
+    assert cfg["block_size"] == 8 and cfg["num_target_layers"] == 12 and cfg["num_hidden_layers"] == 2
+    assert cfg["dflash_config"] == {"mask_token_id": 0, "target_layer_ids": [1, 3, 5, 7, 9]}
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+    assert "fc.weight" in names and "hidden_norm.weight" in names and "norm.weight" in names
+    assert "layers.1.self_attn.q_norm.weight" in names and "layers.0.mlp.gate_proj.weight" in names
+    assert not any("embed" in n or "lm_head" in n for n in names)  # the target's, frozen, not stored
+    loaded = DFlashDrafter.load(tmp_path)
+    x, f = torch.randn(8, 64), torch.randn(5, 5 * 64)
+    q, c, m = torch.arange(5, 13), torch.arange(5), torch.ones(8, 13, dtype=torch.bool)
+    assert torch.equal(d(x, f, q, c, m), loaded(x, f, q, c, m))
+
+
+# --- training on the live stack -------------------------------------------------------------------
+
+
+def _records(run: str, n: int) -> list[CompletionRecord]:
+    lines = (Path(__file__).parents[1] / "services/pipeline/data/prompts.jsonl").read_text().splitlines()[:n]
+    prompts = [r["messages"][-1]["content"] if "messages" in r else r["prompt"] for r in map(json.loads, lines)]
+    return [CompletionRecord(run=run, prompt_id=f"p{i:04d}", messages=[ChatMessage(role="user", content=p)],
+                             completion=ANSWERS[i % len(ANSWERS)], completion_tokens=20)
+            for i, p in enumerate(prompts)]
+
+
+def publish_tokenized(stack, run: str, n: int = 30) -> int:
+    """Tokenize real records with the real SmolLM2 template, write them as a shard, announce it."""
+    from services.tokenizer.fingerprint import load_target_tokenizer, template_fingerprint
+    from services.tokenizer.samples import SampleBuilder
+
+    cfg = make_config(stack, run, trainer={"block_size": TINY["block_size"]})
+    tok = load_target_tokenizer(cfg)
+    built = SampleBuilder(tok, cfg).build(_records(run, n))
+    assert len(built.samples) == n
+    fp = template_fingerprint(tok, cfg)
+    key = f"runs/{run}/tokenized/{fp}/w0-00000000.parquet"
+    data = samples_to_parquet(built.samples)
+    Store.open(cfg).put_bytes(key, data)
+
+    async def announce() -> None:
+        import hashlib
+
+        async with await Bus.connect(cfg.bus, "pytest", deadline_s=10) as bus:
+            await bus.ensure_streams()
+            await bus.publish(Subjects.tokenized(run), TokenizedShard(
+                run=run, key=key, source_key="-", fingerprint=fp, num_samples=n,
+                num_tokens=sum(s.num_tokens for s in built.samples),
+                num_supervised=sum(s.num_supervised for s in built.samples), sha256=hashlib.sha256(data).hexdigest()),
+                msg_id=key)
+
+    asyncio.run(announce())
+    return n
+
+
+def _env(stack_env: dict, **over: object) -> dict:
+    env = dict(stack_env)
+    env.update({f"DFLASH_TRAINER__{k.upper()}": str(v) for k, v in {**TINY, **over}.items()})
+    env["DFLASH_MODEL__DEVICE"] = "cpu"
+    return env
+
+
+def _spawn(env: dict, run: str, log: Path, *cmd: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "shared.cli", *cmd, "--run", run], env=env,
+                            stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def progress_history(stack, run: str) -> dict[int, TrainerProgress]:
+    """The last TrainerProgress published for each step (a resumed run publishes the redone steps again)."""
+    cfg = make_config(stack, run)
+
+    async def read() -> dict[int, TrainerProgress]:
+        async with await Bus.connect(cfg.bus, "pytest", deadline_s=10) as bus:
+            out = {}
+            async for _, p in bus.replay("PROGRESS", Subjects.progress(run, "train", "trainer"), 1):
+                if isinstance(p, TrainerProgress) and p.state == "running":
+                    out[p.step] = p
+            return out
+
+    return asyncio.run(read())
+
+
+def _latest_step(store: Store, run: str) -> int:
+    key = f"runs/{run}/checkpoints/latest.json"
+    return json.loads(store.get_bytes(key))["step"] if store.exists(key) else 0
+
+
+def test_train_kill9_resume_is_exact_and_eval_is_lossless(stack, stack_env, tmp_path: Path) -> None:
+    run_a, run_b = new_run(), new_run()
+    publish_tokenized(stack, run_a)
+    publish_tokenized(stack, run_b)
+    store = Store.open(make_config(stack, run_a))
+
+    # A: uninterrupted
+    a = _spawn(_env(stack_env), run_a, tmp_path / "a.log", "train")
+    assert a.wait(timeout=600) == 0, (tmp_path / "a.log").read_text()[-3000:]
+
+    # B: kill -9 right after the first checkpoint, then restart
+    b = _spawn(_env(stack_env), run_b, tmp_path / "b.log", "train")
+    deadline = time.monotonic() + 600
+    while _latest_step(store, run_b) < 3:
+        assert b.poll() is None, (tmp_path / "b.log").read_text()[-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    os.killpg(b.pid, signal.SIGKILL)
+    b.wait()
+    killed_at = _latest_step(store, run_b)
+    assert killed_at < TINY["max_steps"]
+    b2 = _spawn(_env(stack_env), run_b, tmp_path / "b.log", "train")
+    assert b2.wait(timeout=600) == 0, (tmp_path / "b.log").read_text()[-3000:]
+    assert "resumed from" in (tmp_path / "b.log").read_text()
+
+    ha, hb = progress_history(stack, run_a), progress_history(stack, run_b)
+    assert sorted(ha) == sorted(hb) == list(range(1, TINY["max_steps"] + 1))
+    for step in ha:
+        assert hb[step].loss == pytest.approx(ha[step].loss, rel=1e-4, abs=1e-5), step
+    losses = [ha[s].loss for s in sorted(ha)]
+    assert min(losses[-2:]) < losses[0] * 0.9, losses  # it learns
+    last = ha[TINY["max_steps"]]
+    assert len(last.position_accuracy) == TINY["block_size"] - 1
+    assert last.tokens_per_s > 0 and 0 < last.target_forward_share < 1
+    assert last.checkpoint_key == Keys.checkpoint(run_a, TINY["max_steps"])
+    assert store.exists(Keys.checkpoint(run_a, TINY["max_steps"]) + "drafter/model.safetensors")
+
+    # eval: real speculative decoding with the trained drafter, checked against plain greedy
+    ev = subprocess.run([sys.executable, "-m", "shared.cli", "eval", "--run", run_a], env=_env(stack_env),
+                        capture_output=True, text=True, timeout=600)
+    assert ev.returncode == 0, ev.stdout + ev.stderr
+    import msgspec
+
+    report = msgspec.json.decode(store.get_bytes(Keys.eval_report(run_a)), type=EvalReport)
+    assert report.lossless and report.mismatches == 0 and report.prompts == TINY["eval_prompts"]
+    assert report.tau >= 1.0 and sum(report.acceptance_histogram) > 0
+    assert report.acceptance_histogram[0] == 0  # every cycle yields at least the bonus token
+    assert "τ =" in ev.stdout
