@@ -1,8 +1,12 @@
 """compose.yaml checked structurally (no Docker engine on CI machines)."""
 
+import os
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,3 +42,72 @@ def test_compose_dashboard_service():
         assert re.fullmatch(r"\$\{[A-Z_]+:\?[^}]*\}", env[key]), f"{key} must be required from the environment"
     # Non-loopback inside the container: the password the CLI then requires is set.
     assert "0.0.0.0" in dash["command"] and "DFLASH_DASHBOARD_PASSWORD" in env
+
+
+def _active(services: dict, profile: str | None) -> dict:
+    """The services `docker compose [--profile P] up` starts: those without profiles, plus P's."""
+    return {n: s for n, s in services.items() if not s.get("profiles") or profile in s["profiles"]}
+
+
+def _gpu_ids(service: dict) -> list[str]:
+    devices = service.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
+    return [i for d in devices if "gpu" in d.get("capabilities", []) for i in d.get("device_ids", [])]
+
+
+def test_compose_profiles_form_complete_pipelines():
+    doc = yaml.safe_load((ROOT / "compose.yaml").read_text())
+    services = doc["services"]
+    for profile in (None, "cpu", "gpu"):
+        active = _active(services, profile)
+        for name, svc in active.items():  # nothing waits on a service the profile does not start
+            for dep in svc.get("depends_on", {}):
+                assert dep in active, f"profile {profile}: {name} depends on {dep}, which is not started"
+            for port in svc.get("ports", []):
+                assert port.startswith("127.0.0.1:"), f"{name} publishes {port} beyond loopback"
+            long_running = svc.get("restart") not in (None, "no")
+            assert long_running or name in ("minio-init", "eval-gpu", "eval-cpu"), f"{name} has no restart policy"
+    cpu, gpu = _active(services, "cpu"), _active(services, "gpu")
+    stages = ("feeder", "tokenizer", "dashboard", "nats", "minio", "minio-init")
+    assert {"generator-cpu", "trainer-cpu", "eval-cpu", *stages} <= set(cpu)
+    assert not any(_gpu_ids(s) for s in cpu.values()), "the cpu profile must run without GPUs"
+    assert cpu["generator-cpu"]["command"][cpu["generator-cpu"]["command"].index("--backend") + 1] == "hf"
+    # gpu: one SGLang server per GPU (by device id), one generator bound to each, a GPU trainer
+    servers = {n: s for n, s in gpu.items() if n.startswith("sglang-")}
+    assert len(servers) >= 2 and sorted(_gpu_ids(s)[0] for s in servers.values()) == ["0", "1"]
+    for name, s in servers.items():
+        assert "/health_generate" in " ".join(s["healthcheck"]["test"])
+        assert any(v.startswith("models:") for v in s["volumes"]), f"{name} has no model volume"
+        assert "sglang.launch_server" in s["command"]
+        gen = gpu["generator-" + name.split("-")[1]]
+        assert gen["depends_on"][name]["condition"] == "service_healthy"
+        assert f"http://{name}:30000" in gen["command"] and "sglang" in gen["command"]
+    assert _gpu_ids(gpu["trainer-gpu"]) and gpu["eval-gpu"]["depends_on"] == {
+        "trainer-gpu": {"condition": "service_completed_successfully"}}
+    for name in ("generator-0", "generator-cpu", "feeder", "tokenizer", "trainer-cpu", "trainer-gpu"):
+        deps = services[name]["depends_on"]
+        assert deps["nats"]["condition"] == "service_healthy", name
+        assert deps["minio-init"]["condition"] == "service_completed_successfully", name
+        env = services[name]["environment"]
+        for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+            assert re.fullmatch(r"\$\{[A-Z_]+:\?[^}]*\}", env[key]), f"{name}: {key} must come from the environment"
+    # commands are real CLI commands of this project
+    from shared.cli import build_parser
+
+    parser = build_parser()
+    for name in ("generator-0", "generator-cpu", "feeder", "tokenizer", "trainer-cpu", "eval-cpu", "dashboard"):
+        argv = [a.replace("${DFLASH_RUN:-demo}", "demo") for a in services[name]["command"]]
+        argv = [re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", a) for a in argv]
+        parser.parse_args(argv)
+
+
+@pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose not installed")
+def test_compose_file_validates_with_docker_compose():
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", "DFLASH_DASHBOARD_PASSWORD": "p"}
+    for profile in ("cpu", "gpu"):
+        r = subprocess.run(["docker-compose", "-f", str(ROOT / "compose.yaml"), "--profile", profile, "config", "-q"],
+                           env=env, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+    env.pop("AWS_SECRET_ACCESS_KEY")
+    r = subprocess.run(["docker-compose", "-f", str(ROOT / "compose.yaml"), "config", "-q"], env=env,
+                       capture_output=True, text=True)
+    assert r.returncode != 0 and "AWS_SECRET_ACCESS_KEY" in r.stderr  # a missing secret is named, not defaulted
