@@ -59,7 +59,9 @@ def service_specs(cfg: Config, plan: RunPlan) -> list[ServiceSpec]:
         specs.append(ServiceSpec(f"generator-{i}", argv))
     specs.append(ServiceSpec("tokenizer", dflash("tokenize", "--run", run)))
     if plan.train:
-        specs.append(ServiceSpec("trainer", dflash("train", "--run", run), one_shot=True))
+        # Started once tokenization is done: the step count is planned from the whole dataset. (A
+        # trainer started by hand or in compose may start early; later shards join its next epoch.)
+        specs.append(ServiceSpec("trainer", dflash("train", "--run", run), one_shot=True, deferred=True))
     if plan.dashboard:
         specs.append(ServiceSpec("dashboard", dflash("dashboard", "--run", run)))
     for s in specs:
@@ -211,6 +213,7 @@ async def run_pipeline(cfg: Config, plan: RunPlan, *, env: dict[str, str], show:
                     if phase == "train":
                         if not plan.train:
                             break
+                        sup.launch("trainer")
                         state = sup.state()["trainer"]
                         if state == "done":
                             break

@@ -29,6 +29,7 @@ class ServiceSpec:
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
     one_shot: bool = False  # exit 0 means done, not "restart me"
+    deferred: bool = False  # not started by start(): launch(name) starts it when its phase comes
 
 
 @dataclass
@@ -38,7 +39,7 @@ class ServiceState:
     starts: int = 0
     crashes: deque[float] = field(default_factory=deque)
     last_exit: int | None = None
-    state: str = "pending"  # pending | running | backoff | done | crash_loop | stopped
+    state: str = "pending"  # pending | starting | running | backoff | done | crash_loop | stopped
     proc: asyncio.subprocess.Process | None = None
     stop_requested: bool = False  # stopped on purpose: its exit is not a crash
 
@@ -113,7 +114,14 @@ class Supervisor:
                 await asyncio.wait_for(self._stopping.wait(), timeout=delay)
 
     def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._watch(st)) for st in self.services.values()]
+        self._tasks = [asyncio.create_task(self._watch(st)) for st in self.services.values() if not st.spec.deferred]
+
+    def launch(self, name: str) -> None:
+        """Start a deferred service (once)."""
+        st = self.services[name]
+        if st.state == "pending" and not self._stopping.is_set():
+            st.state = "starting"
+            self._tasks.append(asyncio.create_task(self._watch(st)))
 
     def state(self) -> dict[str, str]:
         return {name: st.state for name, st in self.services.items()}
@@ -124,7 +132,7 @@ class Supervisor:
         st.stop_requested = True
         proc = st.proc
         if proc is None or proc.returncode is not None:
-            if st.state in ("pending", "backoff", "running"):
+            if st.state in ("pending", "starting", "backoff", "running"):
                 st.state = "stopped"
             return
         with contextlib.suppress(ProcessLookupError):
