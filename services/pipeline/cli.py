@@ -49,6 +49,20 @@ def _run(args: argparse.Namespace) -> int:
     return asyncio.run(run_pipeline(cfg, plan, env=env, show=not args.plain))
 
 
+def _chaos(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .chaos import ChaosSettings, report_json, run_chaos
+
+    s = ChaosSettings(prompts=args.prompts, generators=args.generators, max_faults=args.faults,
+                      fault_every_s=args.every, seed=args.seed, timeout_s=args.timeout)
+    report = run_chaos(s, Path(args.dir) if args.dir else None)
+    print(report.format())
+    if args.json:
+        Path(args.json).write_bytes(report_json(report))
+    return 0 if report.ok else 1
+
+
 def register(sub: Any, replay: Any) -> None:
     p = sub.add_parser("run", help="prompts → completions → tokenized samples → trained drafter → eval, supervised")
     p.add_argument("--prompts", nargs="*", default=None, help="prompt files (default: the bundled demo set)")
@@ -60,3 +74,14 @@ def register(sub: Any, replay: Any) -> None:
     p.add_argument("--no-dashboard", action="store_true")
     p.add_argument("--plain", action="store_true", help="log lines instead of the live display")
     p.set_defaults(func=_run)
+    c = sub.add_parser("chaos", help="a small real run on its own embedded stack with kill -9s, a NATS restart "
+                                     "and an S3 outage; checks that nothing was lost or duplicated")
+    c.add_argument("--prompts", type=int, default=40, help="bundled prompts to run")
+    c.add_argument("--generators", type=int, default=2)
+    c.add_argument("--faults", type=int, default=8, help="faults to inject (each kind at least once)")
+    c.add_argument("--every", type=float, default=8.0, help="seconds between faults")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--timeout", type=float, default=1200.0)
+    c.add_argument("--dir", default=None, help="keep the stack, logs and data here (default: a temp dir)")
+    c.add_argument("--json", default=None, help="write the report as JSON to this file")
+    c.set_defaults(func=_chaos)
