@@ -23,8 +23,11 @@ def _run(args: argparse.Namespace) -> int:
     from shared.messages import check_name
     from shared.stack import is_external, stack_up
 
-    from .run import BUNDLED_PROMPTS, RunPlan, run_pipeline
+    from .run import BUNDLED_PROMPTS, DEMO_CONFIG, RunPlan, run_pipeline
 
+    if not args.prompts and not args.config and not os.environ.get("DFLASH_CONFIG"):
+        args.config = str(DEMO_CONFIG)
+        print(f"no --prompts and no --config: the bundled demo ({BUNDLED_PROMPTS.name}, CC0) with {DEMO_CONFIG}")
     base = load_config(args.config)
     env: dict[str, str] = {}
     if not is_external():
@@ -44,8 +47,6 @@ def _run(args: argparse.Namespace) -> int:
     plan = RunPlan(prompts=[p if p.startswith("s3://") else os.path.abspath(p) for p in prompts],
                    generators=generators, backend=args.backend, train=not args.no_train,
                    dashboard=not args.no_dashboard)
-    if not args.prompts:
-        print(f"no --prompts given: using the bundled demo set ({BUNDLED_PROMPTS}, CC0)")
     return asyncio.run(run_pipeline(cfg, plan, env=env, show=not args.plain))
 
 

@@ -31,6 +31,7 @@ from .supervisor import ServiceSpec, ServiceState, Supervisor
 log = logging.getLogger("dflash.run")
 
 BUNDLED_PROMPTS = Path(__file__).parent / "data" / "prompts.jsonl"
+DEMO_CONFIG = Path(__file__).parent / "data" / "demo.toml"
 
 
 @dataclass
