@@ -191,6 +191,10 @@ async def test_two_generators_split_a_run_and_survive_kill_9(stack, stack_env, b
     assert len(keys) == len(set(keys))  # no shard announced twice
     info = await bus.js.consumer_info("PROMPTS", f"generate-{cfg.run}")
     assert info.num_ack_pending == 0 and info.num_pending == 0
+    # progress counters go on across the restart: summed over workers they cover every shard written
+    latest = {p.worker: p for _, p in await bus.latest_per_subject("PROGRESS", f"dflash.{cfg.run}.generate.progress.*")}
+    assert sum(p.shards for p in latest.values()) == len(keys)
+    assert sum(p.completions for p in latest.values()) >= sum(len(r) for _, r in shards)
 
 
 async def _worker_has_shard(bus: Bus, run: str, worker: str) -> bool:

@@ -215,6 +215,7 @@ def test_train_kill9_resume_is_exact_and_eval_is_lossless(stack, stack_env, tmp_
     assert sorted(ha) == sorted(hb) == list(range(1, TINY["max_steps"] + 1))
     for step in ha:
         assert hb[step].loss == pytest.approx(ha[step].loss, rel=1e-4, abs=1e-5), step
+        assert hb[step].samples_seen == ha[step].samples_seen, step  # counters survive the restart too
     losses = [ha[s].loss for s in sorted(ha)]
     assert min(losses[-2:]) < losses[0] * 0.9, losses  # it learns
     last = ha[TINY["max_steps"]]

@@ -15,7 +15,7 @@ import time
 
 from shared.bus import Bus, Delivery, Poison, ProgressLoop, Retry, WorkStats, consumer_for
 from shared.config import Config, fingerprint
-from shared.messages import GeneratorProgress, PromptTask, Subjects
+from shared.messages import GeneratorProgress, PromptTask, ShardWritten, Subjects
 from shared.records import CompletionRecord
 from shared.store import Store
 
@@ -117,10 +117,27 @@ class Generator:
             self.accept_lengths.append(result.spec_accept_length)
         await self.shards.add(record)
 
+    async def resume_counters(self, subject: str) -> None:
+        """A restarted worker goes on counting where its earlier processes stopped, so totals summed
+        over workers (dashboard, status, plan) never drop at a restart. Completions, completion
+        tokens and shards come from this worker's durable shard log (exact); prompt tokens, errors
+        and finish reasons from its last progress event (what it had published before it died)."""
+        events = [e async for _, e in self.bus.replay("SHARDS", Subjects.shards(self.run), 1, ShardWritten)]
+        mine = [e for e in events if e.worker == self.worker]
+        self.completions += sum(e.num_records for e in mine)
+        self.completion_tokens += sum(e.completion_tokens for e in mine)
+        self.shards.shards_written += len({e.key for e in mine})
+        for _, last in await self.bus.latest_per_subject("PROGRESS", subject):
+            if isinstance(last, GeneratorProgress):
+                self.prompt_tokens += last.prompt_tokens
+                self.engine_errors += last.errors
+                self.finish_reasons.update(last.finish_reasons)
+
     async def run_until(self, stop: asyncio.Event) -> WorkStats:
         await self.bus.ensure_streams()
         await self.shards.start()
         subject = Subjects.progress(self.run, "generate", self.worker)
+        await self.resume_counters(subject)
         async with ProgressLoop(self.bus, subject, self.progress, self.cfg.generator.progress_every_s):
             drained = asyncio.create_task(self._flush_when_stopping(stop))
             try:

@@ -128,6 +128,7 @@ class Trainer:
         self.sched: Any = None
         self.last = TrainerProgress(run=self.run, worker=worker, state="starting")
         self.resumed_from: int | None = None
+        self.samples_seen = 0
 
     # --- data --------------------------------------------------------------------------------
 
@@ -160,6 +161,7 @@ class Trainer:
             self.drafter.save(tmp / "drafter")
             torch.save({"optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(), "step": self.step,
                         "total_steps": self.total_steps, "cursor": self.cursor.__dict__,
+                        "samples_seen": self.samples_seen,
                         "torch_rng": torch.get_rng_state()}, tmp / "state.pt")
             for path in sorted(tmp.rglob("*")):
                 if path.is_file():
@@ -193,6 +195,7 @@ class Trainer:
         self.opt.load_state_dict(state["optimizer"])
         self.sched.load_state_dict(state["scheduler"])
         self.cursor = Cursor(**state["cursor"])
+        self.samples_seen = state.get("samples_seen", 0)
         torch.set_rng_state(state["torch_rng"])
         self.resumed_from = self.step
         log.info("resumed from %s (step %d of %d)", prefix, self.step, self.total_steps)
@@ -259,7 +262,6 @@ class Trainer:
         subject = Subjects.progress(self.run, "train", self.worker)
         samples: list[TokenizedSample] = []
         checkpoint_key: str | None = None
-        seen = 0
         async with ProgressLoop(self.bus, subject, lambda: self.last, 10.0):
             if resumed:
                 samples = await asyncio.to_thread(self._samples, self.cursor.keys)
@@ -287,14 +289,14 @@ class Trainer:
                 out = await asyncio.to_thread(self.train_step, samples, order)
                 if out is None:
                     continue
-                seen += out["samples"]
+                self.samples_seen += out["samples"]
                 if self.step % t.checkpoint_every == 0 or self.step >= self.total_steps:
                     checkpoint_key = await asyncio.to_thread(self.save_checkpoint)
                 self.last = TrainerProgress(
                     run=self.run, worker=self.worker, step=self.step, epoch=self.cursor.epoch, loss=out["loss"],
                     lr=self.sched.get_last_lr()[0], position_accuracy=[round(a, 4) for a in out["acc"]],
                     estimated_tau=round(estimated_tau(out["acc"]), 4), tokens_per_s=round(out["tokens_per_s"], 1),
-                    target_forward_share=round(out["target_share"], 4), samples_seen=seen,
+                    target_forward_share=round(out["target_share"], 4), samples_seen=self.samples_seen,
                     checkpoint_key=checkpoint_key, state="running",
                 )
                 if self.step % t.progress_every == 0:
