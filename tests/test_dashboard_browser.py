@@ -141,3 +141,62 @@ def test_browser_shows_the_published_run_live(stack, dashboard, tmp_path):
     out = ROOT / "tests" / "output"
     out.mkdir(exist_ok=True)
     shutil.copy(shot, out / "dashboard.png")
+
+
+def test_browser_follows_a_real_run(stack, stack_env, dashboard, tmp_path):
+    """The page open while `dflash run` really feeds, generates (SmolLM2 on CPU) and tokenizes; at the
+    end its counts equal the run's own numbers read from the bus and S3."""
+    from shared.messages import ShardWritten
+    from shared.status import run_status
+    from shared.store import Store
+    from tests.test_run import TINY
+
+    url, run = dashboard
+    bundled = ROOT / "services/pipeline/data/prompts.jsonl"
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(bundled.read_text().splitlines()[100:110]) + "\n")
+    config = tmp_path / "tiny.toml"
+    config.write_text(TINY)
+    log = tmp_path / "run.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "shared.cli", "--config", str(config), "run", "--prompts", str(prompts),
+             "--run", run, "--no-train", "--no-dashboard", "--plain"],
+            env={**stack_env, "DFLASH_MODEL__DEVICE": "cpu"}, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True)
+    try:
+        with playwright_sync.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+            try:
+                page = browser.new_page(viewport={"width": 1400, "height": 1000})
+                page.goto(url, wait_until="domcontentloaded")  # opened before the run has published anything
+                page.get_by_role("heading", name="Run overview").wait_for(timeout=60_000)
+                assert proc.wait(600) == 0, log.read_text()[-3000:]
+
+                async def truth() -> tuple[int, int, int]:
+                    cfg = make_config(stack, run)
+                    async with await Bus.connect(cfg.bus, "pytest-truth", deadline_s=10) as bus:
+                        st = await run_status(cfg, bus, Store.open(cfg))
+                        records = sum([e.num_records async for _, e in
+                                       bus.replay("SHARDS", Subjects.shards(run), 1, ShardWritten)])
+                    return st.total, st.completed, records
+
+                with ThreadPoolExecutor(1) as pool:
+                    total, completed, records = pool.submit(asyncio.run, truth()).result(timeout=30)
+                assert total == 10 and completed == 10
+                shown = wait_metric(page, "generated", f"{records} / {total}", timeout_s=60)
+                assert shown["fed"] == f"{total} / {total}"
+                shown = wait_metric(page, "tokenized", f"{records} / {records}", timeout_s=60)
+                body = page.inner_text("body")
+                assert "Traceback" not in body and "gen0" in body
+                page.set_viewport_size({"width": 1400, "height": 3300})
+                page.wait_for_timeout(1500)
+                page.screenshot(path=str(tmp_path / "real-run.png"), full_page=True)
+            finally:
+                browser.close()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = ROOT / "tests" / "output"
+    out.mkdir(exist_ok=True)
+    shutil.copy(tmp_path / "real-run.png", out / "dashboard-real-run.png")
