@@ -235,3 +235,25 @@ def test_train_kill9_resume_is_exact_and_eval_is_lossless(stack, stack_env, tmp_
     assert report.tau >= 1.0 and sum(report.acceptance_histogram) > 0
     assert report.acceptance_histogram[0] == 0  # every cycle yields at least the bonus token
     assert "τ =" in ev.stdout
+
+
+def test_torchrun_two_ranks_on_gloo_match_one_process(stack, stack_env, tmp_path: Path) -> None:
+    """2 CPU ranks (gloo) with grad_accum 1 take the same optimizer steps as 1 process with grad_accum 2:
+    the same micro-batches, the gradients summed across ranks, the same losses."""
+    run_one, run_two = new_run(), new_run()
+    publish_tokenized(stack, run_one)
+    publish_tokenized(stack, run_two)
+    steps = {"max_steps": 4, "checkpoint_every": 4, "token_budget": 200}
+    one = _spawn(_env(stack_env, grad_accum=2, **steps), run_one, tmp_path / "one.log", "train")
+    assert one.wait(timeout=600) == 0, (tmp_path / "one.log").read_text()[-3000:]
+    env = {**_env(stack_env, grad_accum=1, **steps), "DFLASH_RUN": run_two}
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          "-m", "shared.cli", "train"], env=env, capture_output=True, text=True, timeout=600)
+    assert two.returncode == 0, (two.stdout + two.stderr)[-4000:]
+    h1, h2 = progress_history(stack, run_one), progress_history(stack, run_two)
+    assert sorted(h1) == sorted(h2) == [1, 2, 3, 4]
+    for step in h1:
+        assert h2[step].loss == pytest.approx(h1[step].loss, rel=1e-4), step
+        assert h2[step].samples_seen == h1[step].samples_seen
+    store = Store.open(make_config(stack, run_two))
+    assert store.exists(Keys.checkpoint(run_two, 4) + "drafter/model.safetensors")  # written once, by rank 0

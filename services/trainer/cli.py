@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 from typing import Any
 
 
@@ -114,8 +115,10 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def register(sub: Any, replay: Any) -> None:
-    p = sub.add_parser("train", help="train the DFlash drafter on a run's tokenized shards (online target features)")
-    p.add_argument("--run", required=True)
+    p = sub.add_parser("train", help="train the DFlash drafter on a run's tokenized shards (online target features); "
+                                     "multi-GPU: DFLASH_RUN=R torchrun --nproc_per_node N -m shared.cli train")
+    # The run may come from DFLASH_RUN: torchrun's own parser claims any `--run...` option before the script's.
+    p.add_argument("--run", required="DFLASH_RUN" not in os.environ, default=os.environ.get("DFLASH_RUN"))
     p.set_defaults(func=_train)
     e = sub.add_parser("eval", help="speculative decoding with the latest checkpoint: τ, speedup, losslessness")
     e.add_argument("--run", required=True)

@@ -11,6 +11,7 @@ every checkpoint, which makes resume exact.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -33,6 +34,7 @@ from shared.store import Keys, Store
 
 from .blocks import estimated_tau, make_blocks, sample_anchors
 from .data import epoch_order, load_samples, shard_keys
+from .dist import Dist
 from .features import Target
 from .model import DFlashDrafter, feature_layer_ids, resolve_mask_token_id
 
@@ -112,12 +114,12 @@ def sequence_loss(target: Target, drafter: DFlashDrafter, sample: TokenizedSampl
 
 
 class Trainer:
-    def __init__(self, cfg: Config, bus: Bus, store: Store, *, worker: str = "trainer", device: str | None = None):
+    def __init__(self, cfg: Config, bus: Bus, store: Store, *, worker: str = "trainer", device: str | None = None,
+                 dist: Dist | None = None):
         self.cfg, self.bus, self.store, self.worker = cfg, bus, store, worker
         self.run = cfg.run
-        dev = device or cfg.model.device
-        if dev == "auto":
-            dev = "cuda" if torch.cuda.is_available() else "cpu"
+        self.dist = dist or Dist()
+        dev = self.dist.device(device or cfg.model.device)
         self.device = dev
         self.target, self.drafter, self.tok = build(cfg, dev)
         t = cfg.trainer
@@ -132,11 +134,16 @@ class Trainer:
 
     # --- data --------------------------------------------------------------------------------
 
+    async def _shard_keys(self) -> list[str]:
+        """The shard list, as rank 0 reads it (ranks must agree on the data)."""
+        keys = await shard_keys(self.bus, self.run) if self.dist.main else None
+        return await asyncio.to_thread(self.dist.from_main, keys)
+
     async def _wait_for_keys(self) -> list[str]:
         end = time.monotonic() + self.cfg.trainer.wait_for_data_s
         while True:
-            keys = await shard_keys(self.bus, self.run)
-            if keys or time.monotonic() > end:
+            keys = await self._shard_keys()
+            if keys or await asyncio.to_thread(self.dist.any, time.monotonic() > end):
                 return keys
             self.last = msgspec.structs.replace(self.last, state="waiting for data", ts=time.time())
             await asyncio.sleep(5)
@@ -156,6 +163,8 @@ class Trainer:
 
     def save_checkpoint(self) -> str:
         prefix = Keys.checkpoint(self.run, self.step)
+        if not self.dist.main:
+            return prefix
         tmp = Path(tempfile.mkdtemp(prefix="dflash-ckpt-"))
         try:
             self.drafter.save(tmp / "drafter")
@@ -219,7 +228,7 @@ class Trainer:
     def train_step(self, samples: list[TokenizedSample], order: list[int]) -> dict | None:
         t, c = self.cfg.trainer, self.drafter.config
         micro = []
-        for _ in range(t.grad_accum):
+        for _ in range(t.grad_accum * self.dist.world):  # rank r takes micro-batches r, r+world, ...
             mb = self._next_microbatch(samples, order)
             if not mb:
                 break
@@ -242,18 +251,23 @@ class Trainer:
         self.drafter.train()
         self.opt.zero_grad(set_to_none=True)
         if weight_sum > 0:
-            for mb in micro:
+            for mb in micro[self.dist.rank::self.dist.world]:
                 for pos, s in mb:
                     sequence_loss(self.target, self.drafter, s, t.anchors_per_sequence, t.seed, self.step, pos,
                                   t.max_length, t.logits_chunk, 1.0 / weight_sum, stats)
+            self.dist.sum_grads(list(self.drafter.parameters()))
             torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), t.grad_clip)
             self.opt.step()
         self.sched.step()
         self.step += 1
         elapsed = time.perf_counter() - t0
-        acc = (stats["hits"][1:] / stats["counts"][1:].clamp(min=1)).tolist()
-        return {"loss": stats["loss_sum"] / weight_sum if weight_sum else 0.0, "acc": acc,
-                "tokens_per_s": stats["tokens"] / elapsed, "target_share": stats["target_s"] / elapsed,
+        totals = self.dist.sum(torch.tensor([stats["loss_sum"], stats["tokens"], stats["target_s"], elapsed],
+                                            dtype=torch.float64))
+        hits, counts = self.dist.sum(stats["hits"]), self.dist.sum(stats["counts"])
+        loss_sum, tokens, target_s, elapsed_sum = totals.tolist()
+        acc = (hits[1:] / counts[1:].clamp(min=1)).tolist()
+        return {"loss": loss_sum / weight_sum if weight_sum else 0.0, "acc": acc,
+                "tokens_per_s": tokens / elapsed, "target_share": target_s / max(elapsed_sum, 1e-9),
                 "samples": sum(len(mb) for mb in micro)}
 
     async def run_until(self, stop: asyncio.Event) -> TrainerProgress:
@@ -262,7 +276,8 @@ class Trainer:
         subject = Subjects.progress(self.run, "train", self.worker)
         samples: list[TokenizedSample] = []
         checkpoint_key: str | None = None
-        async with ProgressLoop(self.bus, subject, lambda: self.last, 10.0):
+        heartbeat = ProgressLoop(self.bus, subject, lambda: self.last, 10.0) if self.dist.main else contextlib.nullcontext()
+        async with heartbeat:
             if resumed:
                 samples = await asyncio.to_thread(self._samples, self.cursor.keys)
             else:
@@ -276,12 +291,12 @@ class Trainer:
                 self.total_steps = self._plan_total(samples)
                 self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(self.total_steps, t.warmup_ratio))
             order = epoch_order(len(samples), t.seed, self.cursor.epoch)
-            while self.step < self.total_steps and not stop.is_set():
+            while self.step < self.total_steps and not await asyncio.to_thread(self.dist.any, stop.is_set()):
                 if self.cursor.position >= len(order):
                     self.cursor.epoch += 1
                     if not t.max_steps and self.cursor.epoch >= t.epochs:
                         break
-                    keys = await shard_keys(self.bus, self.run)  # shards tokenized since join this epoch
+                    keys = await self._shard_keys()  # shards tokenized since join this epoch
                     if keys != self.cursor.keys:
                         samples = await asyncio.to_thread(self._samples, keys)
                     self.cursor.keys, self.cursor.position = keys, 0
@@ -299,11 +314,11 @@ class Trainer:
                     target_forward_share=round(out["target_share"], 4), samples_seen=self.samples_seen,
                     checkpoint_key=checkpoint_key, state="running",
                 )
-                if self.step % t.progress_every == 0:
+                if self.step % t.progress_every == 0 and self.dist.main:
                     await self.bus.publish(subject, self.last)
             if self.step and (checkpoint_key is None or not checkpoint_key.endswith(f"{self.step:08d}/")):
                 checkpoint_key = await asyncio.to_thread(self.save_checkpoint)
-            done = self.step >= self.total_steps or self.cursor.epoch >= t.epochs
+            done = self.step >= self.total_steps or (not t.max_steps and self.cursor.epoch >= t.epochs)
             self.last = msgspec.structs.replace(self.last, checkpoint_key=checkpoint_key,
                                                 state="done" if done else "stopped", ts=time.time())
         return self.last
@@ -315,9 +330,13 @@ async def run_trainer(cfg: Config, *, stop: asyncio.Event | None = None) -> Trai
     if stop is None:
         stop = asyncio.Event()
         install_stop_signals(stop)
-    torch.manual_seed(cfg.trainer.seed)
+    torch.manual_seed(cfg.trainer.seed)  # the same initial drafter on every rank
+    ranks = Dist.from_env()
     store = await asyncio.to_thread(Store.open, cfg)
-    async with await Bus.connect(cfg.bus, "trainer", deadline_s=60) as bus:
-        await bus.ensure_streams()
-        trainer = await asyncio.to_thread(Trainer, cfg, bus, store)
-        return await trainer.run_until(stop)
+    try:
+        async with await Bus.connect(cfg.bus, f"trainer-{ranks.rank}", deadline_s=60) as bus:
+            await bus.ensure_streams()
+            trainer = await asyncio.to_thread(Trainer, cfg, bus, store, dist=ranks)
+            return await trainer.run_until(stop)
+    finally:
+        ranks.close()
