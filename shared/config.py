@@ -139,6 +139,9 @@ class TrainerConfig(Section):
     wait_for_data_s: float = 3600.0  # how long to wait for the first tokenized shard
     eval_prompts: int = 16
     eval_max_new_tokens: int = 64
+    # Stop after this much training time (0: no limit), checkpointed as "done"; the cosine schedule then
+    # follows whichever of steps and time is further along (so such runs are not bit-reproducible).
+    max_train_s: float = 0.0
 
 
 class DashboardConfig(Section):

@@ -131,6 +131,7 @@ class Trainer:
         self.last = TrainerProgress(run=self.run, worker=worker, state="starting")
         self.resumed_from: int | None = None
         self.samples_seen = 0
+        self.train_s = 0.0  # time spent in training steps, over all processes of this run
 
     # --- data --------------------------------------------------------------------------------
 
@@ -170,7 +171,7 @@ class Trainer:
             self.drafter.save(tmp / "drafter")
             torch.save({"optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(), "step": self.step,
                         "total_steps": self.total_steps, "cursor": self.cursor.__dict__,
-                        "samples_seen": self.samples_seen,
+                        "samples_seen": self.samples_seen, "train_s": self.train_s,
                         "torch_rng": torch.get_rng_state()}, tmp / "state.pt")
             for path in sorted(tmp.rglob("*")):
                 if path.is_file():
@@ -205,12 +206,17 @@ class Trainer:
         self.sched.load_state_dict(state["scheduler"])
         self.cursor = Cursor(**state["cursor"])
         self.samples_seen = state.get("samples_seen", 0)
+        self.train_s = state.get("train_s", 0.0)
         torch.set_rng_state(state["torch_rng"])
         self.resumed_from = self.step
         log.info("resumed from %s (step %d of %d)", prefix, self.step, self.total_steps)
         return True
 
     # --- the loop ----------------------------------------------------------------------------
+
+    def out_of_time(self) -> bool:
+        budget = self.cfg.trainer.max_train_s
+        return budget > 0 and self.train_s >= budget
 
     def _next_microbatch(self, samples: list[TokenizedSample], order: list[int]) -> list[tuple[int, TokenizedSample]]:
         t = self.cfg.trainer
@@ -261,6 +267,12 @@ class Trainer:
         self.sched.step()
         self.step += 1
         elapsed = time.perf_counter() - t0
+        self.train_s += self.dist.from_main(elapsed)  # rank 0's clock, so every rank agrees on the budget
+        if t.max_train_s > 0:  # the schedule runs on whichever of steps and time is further along
+            frac = max(self.step / self.total_steps, self.train_s / t.max_train_s)
+            factor = lr_lambda(self.total_steps, t.warmup_ratio)(min(self.total_steps, round(frac * self.total_steps)))
+            for group in self.opt.param_groups:
+                group["lr"] = t.lr * factor
         totals = self.dist.sum(torch.tensor([stats["loss_sum"], stats["tokens"], stats["target_s"], elapsed],
                                             dtype=torch.float64))
         hits, counts = self.dist.sum(stats["hits"]), self.dist.sum(stats["counts"])
@@ -291,7 +303,8 @@ class Trainer:
                 self.total_steps = self._plan_total(samples)
                 self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(self.total_steps, t.warmup_ratio))
             order = epoch_order(len(samples), t.seed, self.cursor.epoch)
-            while self.step < self.total_steps and not await asyncio.to_thread(self.dist.any, stop.is_set()):
+            while self.step < self.total_steps and not self.out_of_time() and \
+                    not await asyncio.to_thread(self.dist.any, stop.is_set()):
                 if self.cursor.position >= len(order):
                     self.cursor.epoch += 1
                     if not t.max_steps and self.cursor.epoch >= t.epochs:
@@ -318,7 +331,8 @@ class Trainer:
                     await self.bus.publish(subject, self.last)
             if self.step and (checkpoint_key is None or not checkpoint_key.endswith(f"{self.step:08d}/")):
                 checkpoint_key = await asyncio.to_thread(self.save_checkpoint)
-            done = self.step >= self.total_steps or (not t.max_steps and self.cursor.epoch >= t.epochs)
+            done = self.step >= self.total_steps or (not t.max_steps and self.cursor.epoch >= t.epochs) \
+                or self.out_of_time()
             self.last = msgspec.structs.replace(self.last, checkpoint_key=checkpoint_key,
                                                 state="done" if done else "stopped", ts=time.time())
         return self.last
