@@ -25,7 +25,7 @@ def test_compose_services_have_health_and_no_literal_secrets():
     assert services["minio-init"]["depends_on"]["minio"]["condition"] == "service_healthy"
     for key, value in services["minio"]["environment"].items():
         assert re.fullmatch(r"\$\{[A-Z_]+(:\?[^}]*|:-[^}]*)?\}", str(value)), f"{key} must come from the environment"
-    assert set(doc["volumes"]) == {"nats-data", "minio-data"}
+    assert set(doc["volumes"]) == {"nats-data", "minio-data", "models", "dflash-cache"}
 
 
 def test_compose_dashboard_service():
