@@ -1,114 +1,268 @@
-"""The tokenizer service end to end on the real stack: completion shards in S3 + ShardWritten events
-in, tokenized Parquet shards + TokenizedShard events out; the quality gate on the real incident
-(87% "OK."); a corrupt shard dead-lettered while the others go on; token-exact vs re-tokenized."""
+"""The tokenizer service end to end on the real stack (nats-server + SeaweedFS) with the real SmolLM2 tokenizer.
+
+Completion shards are written and announced the way the generator does it (Parquet from
+`completions_to_parquet` at `Keys.completions`, `ShardWritten` from `services.generator.shards.shard_event`),
+the service runs in burst mode, and its outputs are read back from S3 with pandas and `datasets`:
+a normal run (dedupe, drop counts, token-exact ids, masks), the real incident (87% "OK.") tripping
+the quality gate, token-exact vs re-tokenized on SmolLM2's own output, corrupt shards dead-lettered
+while the others go on, and a replay under a fixed template that never overwrites the old output.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
+import io
+import random
 import subprocess
 import sys
 from pathlib import Path
 
-import pyarrow.parquet as pq
+import numpy as np
 
 from services.generator.shards import shard_event
 from services.tokenizer.fingerprint import load_target_tokenizer
+from services.tokenizer.replay import replay_tokenize
 from services.tokenizer.samples import SampleBuilder
-from services.tokenizer.service import run_service
+from services.tokenizer.service import run_service, shard_name
 from shared.bus import Bus
-from shared.messages import Alert, Subjects, TokenizedShard
+from shared.config import Config
+from shared.messages import Alert, ShardWritten, Subjects, TokenizedShard, TokenizerProgress
 from shared.records import ChatMessage, CompletionRecord, completions_to_parquet, read_samples
-from shared.store import Keys, Store
+from shared.store import SHA_META, Keys, Store, sha256_bytes
 from tests.conftest import make_config
 
-ANSWER = "Paris is the capital of France, and it sits on the river Seine in the north of the country."
+ROOT = Path(__file__).resolve().parents[1]
+
+SYSTEM = "You are a helpful assistant. Answer clearly and in full sentences."
+TOPICS = [
+    ("photosynthesis", "Photosynthesis is the process by which green plants use sunlight, water and carbon dioxide "
+                       "to make glucose and oxygen. It takes place mainly in the chloroplasts of leaf cells, where "
+                       "chlorophyll absorbs the light."),
+    ("tides", "Tides are the regular rise and fall of the sea, caused mostly by the Moon's gravity pulling on the "
+              "oceans. Most coasts see two high tides and two low tides a day, about twelve hours and twenty-five "
+              "minutes apart."),
+    ("binary search", "Binary search finds an item in a sorted list by repeatedly halving the range: compare the "
+                      "target with the middle element, then keep only the half that can still contain it. It needs "
+                      "about log2(n) comparisons, so 1,000,000 items take at most 20 steps."),
+    ("sourdough", "Sourdough bread rises thanks to a starter, a fermented mix of flour and water full of wild yeast "
+                  "and lactic acid bacteria. The bacteria give the bread its tangy flavour, and the long "
+                  "fermentation makes the crumb open and chewy."),
+    ("volcanoes", "A volcano forms where molten rock, called magma, reaches the surface through a crack in the "
+                  "Earth's crust. When pressure builds up, gases and lava escape in an eruption; over time the "
+                  "layers of cooled lava and ash build a mountain."),
+    ("compilers", "A compiler translates source code into machine code in several stages: it reads the text into "
+                  "tokens, parses them into a syntax tree, checks types, optimizes an intermediate form and "
+                  "finally emits instructions for the target processor."),
+    ("jazz", "Jazz began in New Orleans in the early twentieth century, mixing blues, ragtime and brass band "
+             "music. Its hallmarks are swing rhythms, blue notes and improvisation, where players invent melodies "
+             "on the spot over a shared chord progression."),
+    ("prime numbers", "A prime number is a whole number greater than 1 whose only divisors are 1 and itself, like 2, "
+                      "3, 5, 7 and 11. Every whole number above 1 can be written as a product of primes in exactly "
+                      "one way, which is why they matter so much in number theory."),
+]
 
 
-def records(run: str, start: int, n: int, answer=lambda i: ANSWER) -> list[CompletionRecord]:
-    return [CompletionRecord(run=run, prompt_id=f"p{i:05d}", completion=answer(i), completion_tokens=20,
-                             messages=[ChatMessage(role="user", content=f"Question number {i}: where is Paris?")])
-            for i in range(start, start + n)]
+def record(run: str, pid: str, question: str, answer: str, *, system: bool = False, **kw) -> CompletionRecord:
+    msgs = ([ChatMessage(role="system", content=SYSTEM)] if system else []) + [ChatMessage(role="user", content=question)]
+    return CompletionRecord(run=run, prompt_id=pid, messages=msgs, completion=answer, engine="hf", model="smollm2",
+                            completion_tokens=len(answer) // 4, **kw)
 
 
-async def write_shard(bus: Bus, store: Store, run: str, seq: int, recs: list[CompletionRecord],
-                      data: bytes | None = None) -> str:
-    key = Keys.completions(run, "w0", seq)
-    good = completions_to_parquet(recs)
-    body = good if data is None else data
-    await asyncio.to_thread(store.put_bytes, key, body)
-    ev = shard_event(run, key, "w0", seq, recs, hashlib.sha256(body).hexdigest(), len(body))
-    await bus.publish(Subjects.shards(run), ev, msg_id=key)
-    return key
+def topic_record(run: str, i: int, **kw) -> CompletionRecord:
+    topic, answer = TOPICS[i % len(TOPICS)]
+    return record(run, f"p{i:05d}", f"Explain {topic} in two or three sentences. (question {i})", answer,
+                  system=i % 2 == 0, **kw)
+
+
+def answer_of(pid: str) -> str:
+    return TOPICS[int(pid[1:]) % len(TOPICS)][1]
+
+
+async def write_shard(bus: Bus, store: Store, run: str, worker: str, seq: int, records: list[CompletionRecord],
+                      *, event_sha: str | None = None) -> ShardWritten:
+    """What the generator's ShardWriter does: Parquet into S3 at the deterministic key, then ShardWritten."""
+    key = Keys.completions(run, worker, seq)
+    data = completions_to_parquet(records)
+    info, _ = await asyncio.to_thread(store.put_new, key, data)
+    return await announce(bus, run, key, worker, seq, records, event_sha or info.sha256, len(data))
+
+
+async def announce(bus: Bus, run: str, key: str, worker: str, seq: int, records: list[CompletionRecord], sha: str,
+                   size: int) -> ShardWritten:
+    event = shard_event(run, key, worker, seq, records, sha, size)
+    await bus.publish(Subjects.shards(run), event, msg_id=key)
+    return event
 
 
 async def tokenized_events(bus: Bus, run: str) -> list[TokenizedShard]:
     return [e async for _, e in bus.replay("TOKENIZED", Subjects.tokenized(run), 1, TokenizedShard)]
 
 
-async def test_shards_become_deduped_parquet_samples_and_a_corrupt_one_is_dead_lettered(
-        stack, bus, store, tmp_path: Path) -> None:
-    cfg = make_config(stack, tokenizer={"min_supervised_tokens": 4})
+async def burst(cfg: Config, tok):
+    """`dflash tokenize --run R --burst`, in process (own stop event: no signal handlers in pytest)."""
+    return await asyncio.wait_for(
+        run_service(cfg, burst=True, stop=asyncio.Event(), progress_every_s=0.5, tokenizer=tok), 120)
+
+
+def masked_text(tok, ids, mask) -> str:
+    return tok.decode([t for t, m in zip(ids, mask, strict=True) if m], skip_special_tokens=False,
+                      clean_up_tokenization_spaces=False)
+
+
+def parquet_keys(store: Store, run: str) -> list[str]:
+    return sorted(k for k in store.list(f"runs/{run}/tokenized/") if k.endswith(".parquet"))
+
+
+def cli(stack_env: dict, *args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shared.cli", *args], cwd=ROOT, env={**stack_env, **(env or {})},
+                          capture_output=True, text=True, timeout=timeout)
+
+
+# --- a normal run ----------------------------------------------------------------------------------
+
+
+async def test_normal_run_writes_one_loadable_deduped_shard_per_completion_shard(stack, bus, store, tmp_path):
+    import datasets
+    import pandas as pd
+
+    cfg = make_config(stack)  # default policy: min_supervised_tokens = 2 x block size = 32
     run = cfg.run
     tok = await asyncio.to_thread(load_target_tokenizer, cfg)
-    first = records(run, 0, 6)
-    exact = records(run, 6, 1)[0]
-    exact.output_ids = [*tok.encode(exact.completion, add_special_tokens=False), tok.convert_tokens_to_ids("<|im_end|>")]
-    second = [*records(run, 3, 1), exact, *records(run, 7, 3)]  # p00003 again: a redelivered prompt
-    k1 = await write_shard(bus, store, run, 0, first)
-    k2 = await write_shard(bus, store, run, 1, second)
-    bad = await write_shard(bus, store, run, 2, records(run, 20, 2), data=b"not a parquet file at all")
-    await asyncio.wait_for(run_service(cfg, burst=True, tokenizer=tok, progress_every_s=0.5), 120)
+    eot = tok.eos_token  # <|im_end|>
+    exact_answer = TOPICS[2][1]
+    exact_ids = tok(exact_answer, add_special_tokens=False)["input_ids"]
+    # An engine may emit a valid but non-canonical tokenization of its text: the first word letter by letter.
+    first, rest = exact_answer.split(" ", 1)
+    odd_ids = [tok.convert_tokens_to_ids(c) for c in first] + tok(" " + rest, add_special_tokens=False)["input_ids"]
+    assert tok.decode(odd_ids) == exact_answer and odd_ids != exact_ids
 
-    events = await tokenized_events(bus, run)
-    assert {e.source_key for e in events} == {k1, k2}
-    fp = events[0].fingerprint
-    ids: list[str] = []
-    for e in events:
-        assert e.key.startswith(f"runs/{run}/tokenized/{fp}/")
-        data = store.get_bytes(e.key)
-        local = tmp_path / Path(e.key).name
-        local.write_bytes(data)
-        table = pq.read_table(local)
-        assert set(table.column_names) >= {"prompt_id", "input_ids", "loss_mask", "num_tokens", "num_supervised"}
-        assert str(table.schema.field("input_ids").type) == "list<element: int32>"
-        import datasets
-        import pandas as pd
+    s0 = [topic_record(run, i) for i in range(4)]
+    s0.append(record(run, "exact-with-stop", "How does binary search work?", exact_answer,
+                     output_ids=[*exact_ids, tok.eos_token_id]))
+    s1 = [topic_record(run, i) for i in range(4, 7)]
+    s1.append(record(run, "exact-trimmed", "Describe binary search.", exact_answer, output_ids=exact_ids))
+    s1.append(topic_record(run, 1))  # p00001 again: completed twice (a redelivery), kept once
+    s1.append(record(run, "ok", "Is that clear?", "OK."))  # the incident's answer: too few supervised tokens
+    s2 = [topic_record(run, i) for i in range(7, 10)]
+    s2.append(record(run, "drifting", "Binary search, please.", exact_answer, output_ids=[*odd_ids, tok.eos_token_id]))
+    s2.append(record(run, "cut", "Tell me about jazz.", TOPICS[6][1][:120], finish_reason="length"))
+    shards = [await write_shard(bus, store, run, "gen-0", 0, s0), await write_shard(bus, store, run, "gen-0", 1, s1),
+              await write_shard(bus, store, run, "gen-1", 0, s2)]
 
-        assert len(pd.read_parquet(local)) == e.num_samples
-        assert len(datasets.load_dataset("parquet", data_files=str(local), split="train")) == e.num_samples
-        for s in read_samples(data):
-            ids.append(s.prompt_id)
-            supervised = [t for t, m in zip(s.input_ids, s.loss_mask, strict=True) if m]
-            assert tok.decode(supervised) == ANSWER + "<|im_end|>"  # answer + end of turn, nothing else
-    assert sorted(ids) == [f"p{i:05d}" for i in range(10)]  # p00003 once across shards
-    assert sum(e.dropped.get("duplicate", 0) for e in events) == 1
-    letters = await bus.dead_letters(run, "tokenize")
-    assert len(letters) == 1
-    letter = letters[0][1]
-    assert bad in letter.error and "unreadable" in letter.error
+    service = await burst(cfg, tok)
+    assert service.tripped is None and service.counts.shards == 3
+
+    fp = service.fingerprint
+    keys = parquet_keys(store, run)
+    assert keys == sorted(Keys.tokenized(run, fp, shard_name(e.key)) for e in shards)
+    assert keys == [f"runs/{run}/tokenized/{fp}/gen-0.00000000.parquet",
+                    f"runs/{run}/tokenized/{fp}/gen-0.00000001.parquet",
+                    f"runs/{run}/tokenized/{fp}/gen-1.00000000.parquet"]
+
+    # Loadable with pandas and datasets (from local copies), int32 ids, the documented columns.
+    local = []
+    for k in keys:
+        path = tmp_path / k.rsplit("/", 1)[-1]
+        path.write_bytes(store.get_bytes(k))
+        local.append(str(path))
+    frames = [pd.read_parquet(p) for p in local]
+    for df in frames:
+        assert {"prompt_id", "input_ids", "loss_mask", "num_tokens", "num_supervised"} <= set(df.columns)
+        assert all(np.asarray(ids).dtype == np.int32 for ids in df["input_ids"])
+        assert (df["num_tokens"] == df["input_ids"].map(len)).all()
+        assert (df["num_supervised"] == df["loss_mask"].map(lambda m: int(np.sum(m)))).all()
+    ds = datasets.load_dataset("parquet", data_files=local, split="train", cache_dir=str(tmp_path / "hf"))
+    assert ds.features["input_ids"].feature.dtype == "int32"
+    ids_all = ds["prompt_id"]
+    assert len(ids_all) == len(set(ids_all)) == 5 + 4 + 4  # every kept prompt once
+    assert ids_all.count("p00001") == 1  # the duplicate across shards appears once
+    assert "ok" not in ids_all and "cut" not in ids_all
+
+    # TokenizedShard events, one per shard, with their drop counts and drift.
+    events = {e.source_key: e for e in await tokenized_events(bus, run)}
+    assert set(events) == {e.key for e in shards}
+    e0, e1, e2 = (events[s.key] for s in shards)
+    assert (e0.num_samples, e0.dropped, e0.retokenization_drift) == (5, {}, 0)
+    assert (e1.num_samples, e1.dropped, e1.retokenization_drift) == (4, {"duplicate": 1, "below_min_supervised": 1}, 0)
+    assert (e2.num_samples, e2.dropped, e2.retokenization_drift) == (4, {"truncated_generation": 1}, 1)
+    for ev, df in zip((e0, e1, e2), frames, strict=True):
+        assert ev.fingerprint == fp and ev.key in keys
+        assert ev.num_tokens == int(df["num_tokens"].sum()) and ev.num_supervised == int(df["num_supervised"].sum())
+        assert ev.sha256 == store.stat(ev.key).sha256
+
+    # Masks: decoding the masked tokens gives the assistant's answer plus the end-of-turn token, nothing else.
+    rows = {r["prompt_id"]: r for r in ds}
+    for pid, row in rows.items():
+        answer = exact_answer if pid.startswith(("exact", "drift")) else answer_of(pid)
+        assert masked_text(tok, row["input_ids"], row["loss_mask"]) == answer + eot, pid
+        assert row["loss_mask"][-1] == 0 and tok.decode(row["input_ids"][-1:]) == "\n"  # template tail, unmasked
+    # Token-exact: canonical engine ids (stop token kept, or trimmed by the engine) give the re-tokenized sample;
+    # non-canonical ones are used as they are (and counted as drift above).
+    retok = SampleBuilder(tok, cfg).build([record(run, "x", "How does binary search work?", exact_answer)]).samples[0]
+    assert (rows["exact-with-stop"]["input_ids"], rows["exact-with-stop"]["loss_mask"]) == (retok.input_ids,
+                                                                                          retok.loss_mask)
+    trimmed = rows["exact-trimmed"]
+    assert [t for t, m in zip(trimmed["input_ids"], trimmed["loss_mask"], strict=True) if m] == [*exact_ids, 2]
+    drifting = rows["drifting"]
+    assert [t for t, m in zip(drifting["input_ids"], drifting["loss_mask"], strict=True) if m] == [*odd_ids, 2]
+
+    # Progress says what happened (the last event, published when the service stopped).
+    latest = [p for _, p in await bus.latest_per_subject("PROGRESS", Subjects.progress(run, "tokenize", "tokenizer"))]
+    assert len(latest) == 1 and isinstance(latest[0], TokenizerProgress)
+    p = latest[0]
+    assert (p.shards, p.samples_in, p.samples_kept, p.retokenization_drift, p.state) == (3, 16, 13, 1, "stopped")
+    assert p.dropped == {"duplicate": 1, "below_min_supervised": 1, "truncated_generation": 1}
+    assert not p.gate_tripped
 
 
-async def test_the_ok_incident_trips_the_gate_with_the_reason(stack, stack_env, bus, store) -> None:
-    """87% of answers collapsed to "OK.": the gate trips within its first window, says why, stops consuming."""
-    cfg = make_config(stack, tokenizer={"gate_window": 50, "min_supervised_tokens": 4})
+# --- the real incident -------------------------------------------------------------------------------
+
+
+async def test_the_ok_incident_trips_the_gate_in_the_first_window_and_status_shows_it(stack, stack_env, bus, store):
+    """87% of answers collapsed to "OK.": the gate trips within its first window, names the reason with examples,
+    stops consuming (also after a restart), and `dflash status` shows it."""
+    cfg = make_config(stack, tokenizer={"gate_window": 50})
     run = cfg.run
     tok = await asyncio.to_thread(load_target_tokenizer, cfg)
-    for seq in range(6):  # 300 records in shards of 50
-        await write_shard(bus, store, run, seq, records(run, seq * 50, 50, lambda i: "OK." if i % 100 < 87 else ANSWER))
-    service = await asyncio.wait_for(run_service(cfg, burst=True, tokenizer=tok, progress_every_s=0.5), 120)
-    assert service.tripped is not None
+    rng = random.Random(87)
+    flags = [rng.random() < 0.87 for _ in range(400)]
+    recs = [record(run, f"p{i:05d}", f"Explain topic {i} to me.", "OK.") if ok else topic_record(run, i)
+            for i, ok in enumerate(flags)]
+    assert 0.83 < sum(flags) / len(flags) < 0.91
+    shards = [await write_shard(bus, store, run, "gen-0", seq, recs[seq * 100:(seq + 1) * 100]) for seq in range(4)]
+
+    service = await burst(cfg, tok)
+    assert service.tripped is not None and service.state == "gate_tripped"
     alerts = [a async for _, a in bus.replay("PROGRESS", Subjects.alert(run, "tokenize"), 1, Alert)]
-    alerts = alerts or [a for _, a in await bus.latest_per_subject("PROGRESS", f"dflash.{run}.>")
-                        if isinstance(a, Alert)]
     gate = [a for a in alerts if a.kind == "quality_gate"]
-    assert gate, alerts
-    assert "OK." in " ".join(gate[-1].examples) and gate[-1].message
-    tokenized = await tokenized_events(bus, run)
-    assert len(tokenized) < 6  # it stopped consuming instead of tokenizing the whole run
-    status = subprocess.run([sys.executable, "-m", "shared.cli", "status", "--run", run], env=stack_env,
-                            capture_output=True, text=True, timeout=60)
-    assert "quality" in status.stdout.lower() and gate[-1].message[:40] in status.stdout, status.stdout
+    assert len(gate) == 1, alerts
+    alert = gate[0]
+    assert alert.severity == "critical" and alert.stage == "tokenize" and alert.run == run
+    assert "of the first" in alert.message and "below_min_supervised" in alert.message
+    seen = int(alert.message.split(" of the first ")[1].split()[0])
+    assert seen <= cfg.tokenizer.gate_window  # tripped within the first window
+    assert service.fingerprint in alert.message and "gate_override" in alert.message
+    assert alert.examples and all("[below_min_supervised]: 'OK.'" in ex for ex in alert.examples)
+
+    # It stopped consuming: nothing tokenized, nothing acked, the trip recorded beside the output.
+    assert await tokenized_events(bus, run) == [] and parquet_keys(store, run) == []
+    assert service.counts.shards == 0
+    assert store.exists(Keys.tokenizer_gate(run, service.fingerprint))
+    info = await bus.js.consumer_info("SHARDS", f"tokenize-{run}")
+    assert info.num_pending + info.num_ack_pending == len(shards)
+    progress = [p for _, p in await bus.latest_per_subject("PROGRESS", Subjects.progress(run, "tokenize", "tokenizer"))]
+    assert progress[0].gate_tripped and progress[0].state == "gate_tripped"
+    # A restarted service does not quietly go on.
+    again = await burst(cfg, tok)
+    assert again.tripped is not None and again.counts.shards == 0 and parquet_keys(store, run) == []
+
+    r = cli(stack_env, "status", "--run", run, timeout=60)
+    assert r.returncode == 1, r.stdout + r.stderr  # a critical alert
+    assert "ALERT [critical] tokenize/quality_gate" in r.stdout and "below_min_supervised" in r.stdout, r.stdout
+    assert "OK." in r.stdout and alert.message[:60] in r.stdout
+
+
+# --- token-exact vs re-tokenized on SmolLM2's own output ---------------------------------------------
 
 
 def test_token_exact_and_retokenized_paths_agree_on_smollm2_output(target_dir: Path) -> None:
@@ -117,7 +271,6 @@ def test_token_exact_and_retokenized_paths_agree_on_smollm2_output(target_dir: P
     from shared.config import load_config
     from shared.model import load_causal_lm, load_tokenizer
 
-    cfg = load_config(env={})
     tok, lm = load_tokenizer(str(target_dir)), load_causal_lm(str(target_dir))
     recs = []
     for i, q in enumerate(["Name three colours.", "What is 2 + 2?", "Say hello in French."]):
@@ -129,7 +282,7 @@ def test_token_exact_and_retokenized_paths_agree_on_smollm2_output(target_dir: P
         text = tok.decode(out, skip_special_tokens=True)
         recs.append(CompletionRecord(run="r", prompt_id=f"q{i}", messages=[ChatMessage(role="user", content=q)],
                                      completion=text, output_ids=out, completion_tokens=len(out),
-                                     finish_reason="stop" if out[-1] == tok.convert_tokens_to_ids("<|im_end|>") else "length"))
+                                     finish_reason="stop" if out[-1] == tok.eos_token_id else "length"))
     cfg = load_config(env={"DFLASH_TOKENIZER__TRUNCATED_POLICY": "keep", "DFLASH_TOKENIZER__MIN_SUPERVISED_TOKENS": "2"})
     builder = SampleBuilder(tok, cfg)
     exact = builder.build(recs)
@@ -137,34 +290,102 @@ def test_token_exact_and_retokenized_paths_agree_on_smollm2_output(target_dir: P
                            for r in recs])
     assert len(exact.samples) == len(plain.samples) == 3
     assert exact.exact == 3 and plain.exact == 0
-    differing = sum(a.input_ids != b.input_ids for a, b in zip(exact.samples, plain.samples, strict=True))
+    differing = sum((a.input_ids, a.loss_mask) != (b.input_ids, b.loss_mask)
+                    for a, b in zip(exact.samples, plain.samples, strict=True))
     assert exact.drift == differing  # the reported drift is the real count of differing samples
     assert differing == 0, "SmolLM2's greedy answers re-tokenize to its own output ids"
-    for a, b in zip(exact.samples, plain.samples, strict=True):
-        assert a.loss_mask == b.loss_mask
+    for a, r in zip(exact.samples, recs, strict=True):  # and the masked ids are exactly what the engine emitted
+        assert [t for t, m in zip(a.input_ids, a.loss_mask, strict=True) if m] == r.output_ids
+
+
+# --- corrupt shards --------------------------------------------------------------------------------
+
+
+async def test_corrupt_shards_are_dead_lettered_with_reasons_while_the_others_are_tokenized(stack, bus, store):
+    cfg = make_config(stack)
+    run = cfg.run
+    tok = await asyncio.to_thread(load_target_tokenizer, cfg)
+    good = [await write_shard(bus, store, run, "gen-0", 0, [topic_record(run, i) for i in range(3)])]
+    recs = [topic_record(run, i) for i in range(10, 12)]
+    # garbage bytes at the shard key (written with a correct checksum: unreadable as Parquet)
+    garbage = b"\x00\x01 this is not a parquet file " * 8
+    key = Keys.completions(run, "gen-0", 1)
+    store.put_bytes(key, garbage)
+    bad_parquet = await announce(bus, run, key, "gen-0", 1, recs, sha256_bytes(garbage), len(garbage))
+    # bit rot in S3: the object's bytes no longer match the sha256 recorded when it was written
+    data = completions_to_parquet(recs)
+    key = Keys.completions(run, "gen-0", 2)
+    rotten = bytearray(data)
+    rotten[len(rotten) // 2] ^= 0xFF
+    store.client.put_object(store.bucket, key, io.BytesIO(bytes(rotten)), len(rotten),
+                            metadata={SHA_META: sha256_bytes(data)})
+    bad_checksum = await announce(bus, run, key, "gen-0", 2, recs, sha256_bytes(data), len(data))
+    # the object differs from what its ShardWritten event announced (overwritten after the announcement)
+    other = [topic_record(run, i) for i in range(20, 22)]
+    mismatch = await write_shard(bus, store, run, "gen-0", 3, other, event_sha=sha256_bytes(data))
+    # announced but never written
+    missing = await announce(bus, run, Keys.completions(run, "gen-0", 4), "gen-0", 4, recs, "0" * 64, 1)
+    good.append(await write_shard(bus, store, run, "gen-1", 0, [topic_record(run, i) for i in range(3, 7)]))
+
+    service = await burst(cfg, tok)
+    assert service.counts.shards == 2 and service.tripped is None
+    events = await tokenized_events(bus, run)
+    assert sorted(e.source_key for e in events) == sorted(e.key for e in good)
+    assert sum(e.num_samples for e in events) == 7
+    letters = {letter.payload: letter for _, letter in await bus.dead_letters(run, "tokenize")}
+    assert len(letters) == 4
+    by_key = {}
+    for letter in letters.values():
+        assert letter.stage == "tokenize" and letter.stream == "SHARDS" and letter.error.startswith("poison: ")
+        by_key[next(k for k in (bad_parquet.key, bad_checksum.key, mismatch.key, missing.key) if k in letter.error)] = letter
+    assert "unreadable" in by_key[bad_parquet.key].error and "not a readable Parquet" in by_key[bad_parquet.key].error
+    assert "is corrupt: sha256" in by_key[bad_checksum.key].error
+    assert "differs from its ShardWritten event" in by_key[mismatch.key].error
+    assert "does not exist" in by_key[missing.key].error
+    info = await bus.js.consumer_info("SHARDS", f"tokenize-{run}")
+    assert info.num_pending == info.num_ack_pending == 0  # every shard got an outcome
+
+
+# --- replay under a fixed template ---------------------------------------------------------------
 
 
 async def test_replay_with_a_fixed_template_writes_a_new_fingerprint_and_keeps_the_old(
         stack, stack_env, bus, store, tmp_path: Path) -> None:
-    cfg = make_config(stack, tokenizer={"min_supervised_tokens": 4})
+    cfg = make_config(stack)
     run = cfg.run
     tok = await asyncio.to_thread(load_target_tokenizer, cfg)
-    await write_shard(bus, store, run, 0, records(run, 0, 4))
-    await asyncio.wait_for(run_service(cfg, burst=True, tokenizer=tok, progress_every_s=0.5), 120)
-    old = {k: store.get_bytes(k) for k in store.list(f"runs/{run}/tokenized/")}
-    assert len(old) == 1
+    await write_shard(bus, store, run, "gen-0", 0, [topic_record(run, i) for i in range(1, 5)])
+    await write_shard(bus, store, run, "gen-0", 1, [topic_record(run, i) for i in range(5, 8)])
+    service = await burst(cfg, tok)
+    old = {k: (store.get_bytes(k), store.stat(k).sha256) for k in store.list(f"runs/{run}/tokenized/")}
+    assert len(old) == 2 and all(k.startswith(f"runs/{run}/tokenized/{service.fingerprint}/") for k in old)
+
     fixed = tmp_path / "template.jinja"
     fixed.write_text(tok.chat_template.replace("named SmolLM, trained by Hugging Face", "that answers briefly"))
-    r = subprocess.run([sys.executable, "-m", "shared.cli", "replay", "tokenize", "--run", run, "--template", str(fixed)],
-                       env={**stack_env, "DFLASH_TOKENIZER__MIN_SUPERVISED_TOKENS": "4"}, capture_output=True,
-                       text=True, timeout=120)
+    assert fixed.read_text() != tok.chat_template
+    r = cli(stack_env, "replay", "tokenize", "--run", run, "--template", str(fixed))
     assert r.returncode == 0, r.stdout + r.stderr
+    assert "replayed 2 shards" in r.stdout and "2 written, 0 already present" in r.stdout, r.stdout
     now = set(store.list(f"runs/{run}/tokenized/"))
-    assert len(now) == 2 and set(old) <= now
-    for k, data in old.items():
-        assert store.get_bytes(k) == data  # the old output is untouched
+    assert len(now) == 4 and set(old) <= now
+    for k, (data, sha) in old.items():
+        assert store.get_bytes(k) == data and store.stat(k).sha256 == sha  # the old output is untouched
     events = await tokenized_events(bus, run)
-    assert len({e.fingerprint for e in events}) == 2
-    (new_key,) = now - set(old)
-    sample = read_samples(store.get_bytes(new_key))[0]
-    assert "that answers briefly" in tok.decode(sample.input_ids)
+    fps = {e.fingerprint for e in events}
+    assert len(fps) == 2 and service.fingerprint in fps
+    (new_fp,) = fps - {service.fingerprint}
+    new = sorted(now - set(old))
+    assert new == sorted(k.replace(service.fingerprint, new_fp) for k in old)  # same shard names, new folder
+    for k in new:
+        for s in read_samples(store.get_bytes(k)):
+            text = tok.decode(s.input_ids)
+            assert ("that answers briefly" in text) == (int(s.prompt_id[1:]) % 2 == 1)  # only where no own system
+            assert masked_text(tok, s.input_ids, s.loss_mask) == answer_of(s.prompt_id) + tok.eos_token
+
+    # Replaying with the original template again recomputes and overwrites nothing.
+    summary = await replay_tokenize(cfg, bus, store, tok, progress_every_s=0.5)
+    assert (summary.fingerprint, summary.shards, summary.written, summary.already_present) == (
+        service.fingerprint, 2, 0, 2)
+    assert set(store.list(f"runs/{run}/tokenized/")) == now
+    for k, (data, _) in old.items():
+        assert store.get_bytes(k) == data

@@ -95,6 +95,9 @@ class TokenizerService:
         self.tripped: Alert | None = None
         self.state = "starting"
         self._lock = asyncio.Lock()
+        # The previous delivery's turn: build -> gate -> write runs in delivery order even when a later
+        # shard's download finishes first (which record of a duplicated prompt_id wins must not be timing).
+        self._turn: asyncio.Future[None] | None = None
         self.stop: asyncio.Event | None = None
 
     # --- start --------------------------------------------------------------------------------
@@ -137,6 +140,15 @@ class TokenizerService:
         """Tokenize one completions shard; None when the gate is tripped (the shard stays unconsumed)."""
         if self.tripped is not None:
             raise GateTripped(self.tripped.message)
+        # Taken before the first await, so in the order the deliveries arrived; released whatever happens.
+        previous, mine = self._turn, asyncio.get_running_loop().create_future()
+        self._turn = mine
+        try:
+            return await self._process(ev, previous)
+        finally:
+            mine.set_result(None)
+
+    async def _process(self, ev: ShardWritten, previous: asyncio.Future[None] | None) -> TokenizedShard | None:
         key = Keys.tokenized(self.run, self.fingerprint, shard_name(ev.key))
         if await asyncio.to_thread(self.store.exists, key):
             return await self._republish(ev, key)
@@ -145,6 +157,8 @@ class TokenizerService:
             records = await asyncio.to_thread(read_completions, data)
         except RecordError as e:
             raise Poison(f"completions shard {ev.key} is unreadable: {e}") from None
+        if previous is not None:
+            await asyncio.shield(previous)  # downloads overlap; the rest waits for the earlier delivery
         async with self._lock:  # one shard at a time through build -> gate -> write, in delivery order
             if self.tripped is not None:
                 raise GateTripped(self.tripped.message)
