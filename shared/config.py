@@ -133,6 +133,7 @@ class TrainerConfig(Section):
     max_length: int = 4096
     checkpoint_every: int = 200
     logits_chunk: int = 2048
+    autocast: Literal["auto", "bf16", "off"] = "auto"  # drafter bf16 autocast: auto (GPU, or CPU with bf16 matmul units) | bf16 | off
     seed: int = 0
     holdout_mod: int = 20  # every 20th prompt (by id hash) is held out of training for `dflash eval`
     progress_every: int = 1  # steps between TrainerProgress events

@@ -146,6 +146,7 @@ class TrainerProgress(Message, tag="trainer_progress"):
     run: str
     worker: str
     step: int = 0
+    total_steps: int = 0  # as planned (it grows when data that arrived later joins an epoch)
     epoch: int = 0
     loss: float = 0.0
     lr: float = 0.0

@@ -299,7 +299,9 @@ class Chaos:
 
 
 def checkpoint_step(store: Store, run: str) -> int | None:
-    key = f"runs/{run}/checkpoints/latest.json"
+    from services.trainer.train import latest_key  # the trainer's own pointer key (imports torch: only here)
+
+    key = latest_key(run)
     return json.loads(store.get_bytes(key))["step"] if store.exists(key) else None
 
 

@@ -150,7 +150,8 @@ class Display:
         self.progress.update(self.tasks["tokenized"], total=p.shards or None, completed=p.tokenized_shards,
                              note=f"{p.tokenized_samples} samples")
         t = p.trainer
-        self.progress.update(self.tasks["trained"], total=self.max_steps or None, completed=t.step if t else 0,
+        self.progress.update(self.tasks["trained"], total=(t.total_steps if t else 0) or self.max_steps or None,
+                             completed=t.step if t else 0,
                              note=f"loss {t.loss:.3f} τ≈{t.estimated_tau:.2f}" if t else "waiting for data")
         if not self.enabled and time.monotonic() - self.last_line > 10:  # a log line when not on a terminal
             self.last_line = time.monotonic()

@@ -1,19 +1,22 @@
 """The training data: tokenized shards announced on the TOKENIZED log, deduped by prompt_id, in a
 deterministic per-epoch order so a resumed run sees exactly the samples it would have seen.
 
-The shard list is re-read at the start of every epoch, so training can begin while generation
-and tokenization still run (later shards join the next epoch). Only the newest template
-fingerprint is used (a re-tokenization supersedes the old output). Every `holdout_mod`-th
-prompt (by prompt_id hash) is held out of training for `dflash eval`.
+The trainer takes the announcements through its durable consumer (`ShardFeed`) as they arrive,
+so training can begin while generation and tokenization still run; the shard list is fixed per
+epoch (later shards join the next one). Only the newest template fingerprint is used (a
+re-tokenization supersedes the old output). Every `holdout_mod`-th prompt (by prompt_id hash) is
+held out of training for `dflash eval`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 
 import torch
 
-from shared.bus import Bus
+from shared.bus import Bus, Delivery, consumer_for
 from shared.messages import Subjects, TokenizedShard
 from shared.records import TokenizedSample, read_samples
 from shared.store import Store
@@ -23,12 +26,78 @@ def held_out(prompt_id: str, holdout_mod: int) -> bool:
     return holdout_mod > 0 and int(hashlib.sha256(prompt_id.encode()).hexdigest()[:8], 16) % holdout_mod == 0
 
 
-async def shard_keys(bus: Bus, run: str) -> list[str]:
-    events = [e async for _, e in bus.replay("TOKENIZED", Subjects.tokenized(run), 1, TokenizedShard)]
-    if not events:
+def newest_keys(shards: dict[str, tuple[str, int]]) -> list[str]:
+    """{key: (fingerprint, stream seq)} → the keys of the fingerprint announced last."""
+    if not shards:
         return []
-    newest = events[-1].fingerprint
-    return sorted({e.key for e in events if e.fingerprint == newest and e.num_samples > 0})
+    newest = max(shards.values(), key=lambda v: v[1])[0]
+    return sorted(k for k, (fp, _) in shards.items() if fp == newest)
+
+
+class ShardFeed:
+    """The trainer's durable consumer `train-<run>` on the TOKENIZED log (rank 0 only).
+
+    Write-then-ack, like every stage: an announcement is acked only once a checkpoint holds it
+    (`shards` is saved in the cursor), so after a kill the unacked ones come back and the acked
+    ones are in the checkpoint the trainer resumes from. Until then the handler waits (the bus
+    heartbeats it); if the trainer stops first, the waiting ones are nak'ed for the next trainer.
+    """
+
+    def __init__(self, bus: Bus, run: str, shards: dict[str, tuple[str, int]] | None = None) -> None:
+        self.bus, self.run = bus, run
+        # a crash-looping trainer redelivers many times: that is not the message's fault
+        # announcements are tiny and wait for a checkpoint: let a whole run's worth be pending at once
+        self.spec = consumer_for("train", run, max_ack_pending=100_000, max_deliver=1_000_000)
+        self.shards: dict[str, tuple[str, int]] = {k: (v[0], int(v[1])) for k, v in (shards or {}).items()}
+        self._waiting: list[asyncio.Future[None]] = []
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    def keys(self) -> list[str]:
+        return newest_keys(self.shards)
+
+    async def _handle(self, d: Delivery) -> None:
+        e: TokenizedShard = d.data
+        if e.num_samples > 0:
+            self.shards[e.key] = (e.fingerprint, d.stream_seq)
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting.append(done)
+        await done  # acked (by the bus) when this returns: after the next checkpoint
+
+    async def caught_up(self) -> bool:
+        """Every announcement made so far has been taken (so a plan made now sees all of them)."""
+        info = await self.bus.js.consumer_info(self.spec.stream, self.spec.durable)
+        return info.num_pending == 0 and info.num_ack_pending <= len(self._waiting)
+
+    def snapshot(self) -> tuple[dict[str, tuple[str, int]], list[asyncio.Future[None]]]:
+        """The shard table for a checkpoint, and the announcements it will cover."""
+        waiting, self._waiting = self._waiting, []
+        return dict(self.shards), waiting
+
+    @staticmethod
+    def checkpointed(waiting: list[asyncio.Future[None]]) -> None:
+        for f in waiting:
+            if not f.done():
+                f.set_result(None)
+
+    async def __aenter__(self) -> ShardFeed:
+        await self.bus.ensure_consumer(self.spec)
+        self._task = asyncio.create_task(self.bus.work(
+            self.spec, self._handle, run=self.run, stop=self._stop, message_type=TokenizedShard,
+            max_inflight=self.spec.max_ack_pending, grace_s=0.0))
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._task:
+            with contextlib.suppress(Exception):
+                await self._task
+
+
+async def shard_keys(bus: Bus, run: str) -> list[str]:
+    """The newest fingerprint's shard keys, read from the whole log (for `dflash eval` and readers)."""
+    return newest_keys({e.key: (e.fingerprint, seq) async for seq, e in
+                        bus.replay("TOKENIZED", Subjects.tokenized(run), 1, TokenizedShard) if e.num_samples > 0})
 
 
 def load_samples(store: Store, keys: list[str], *, holdout_mod: int, train: bool) -> list[TokenizedSample]:

@@ -33,7 +33,7 @@ from shared.records import TokenizedSample
 from shared.store import Keys, Store
 
 from .blocks import estimated_tau, make_blocks, sample_anchors
-from .data import epoch_order, load_samples, shard_keys
+from .data import ShardFeed, epoch_order, load_samples
 from .dist import Dist
 from .features import Target
 from .model import DFlashDrafter, feature_layer_ids, resolve_mask_token_id
@@ -50,6 +50,7 @@ class Cursor:
     epoch: int = 0
     position: int = 0  # index into the epoch's order
     keys: list[str] = field(default_factory=list)  # the epoch's shard list
+    shards: dict[str, tuple[str, int]] = field(default_factory=dict)  # every announcement taken: key → (fingerprint, seq)
 
 
 def lr_lambda(total: int, warmup_ratio: float):
@@ -77,9 +78,22 @@ def build(cfg: Config, device: str) -> tuple[Target, DFlashDrafter, Any]:
     return Target(lm, ids), drafter, tok
 
 
+def autocast_dtype(setting: str, device: torch.device) -> torch.dtype | None:
+    """bf16 autocast for the drafter: always on GPU, on CPU where matmuls have bf16 units (AMX /
+    AVX512-BF16, ~3× fp32 there); `trainer.autocast = "off"` keeps fp32, "bf16" forces it."""
+    if setting == "off":
+        return None
+    if setting == "bf16" or device.type == "cuda":
+        return torch.bfloat16
+    return torch.bfloat16 if device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported() else None
+
+
 def sequence_loss(target: Target, drafter: DFlashDrafter, sample: TokenizedSample, anchors_n: int, seed: int,
-                  step: int, index: int, max_length: int, chunk: int, scale: float, stats: dict) -> None:
-    """Forward + backward of one sequence's blocks; adds to stats (loss numerator, per-slot hits)."""
+                  step: int, index: int, max_length: int, chunk: int, scale: float, stats: dict,
+                  amp: torch.dtype | None = None, feats: torch.Tensor | None = None) -> None:
+    """Forward + backward of one sequence's blocks; adds to stats (loss numerator, per-slot hits).
+    `feats` are the target's features when the caller batched the target forward. The target stays
+    in its own dtype (fp32 on CPU); `amp` autocasts the drafter, and the head runs in that dtype."""
     c = drafter.config
     device = next(drafter.parameters()).device
     ids = torch.tensor(sample.input_ids[:max_length], dtype=torch.long)
@@ -89,24 +103,27 @@ def sequence_loss(target: Target, drafter: DFlashDrafter, sample: TokenizedSampl
     if len(anchors) == 0:
         return
     b = make_blocks(ids, mask, anchors, c.block_size, c.mask_token_id)
-    t0 = time.perf_counter()
-    feats = target.features(ids.to(device))  # [S, k·D]
-    stats["target_s"] += time.perf_counter() - t0
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+    if feats is None:
+        t0 = time.perf_counter()
+        feats = target.features(ids.to(device))  # [S, k·D]
+        stats["target_s"] += time.perf_counter() - t0
+    with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
         emb = target.embed(b.block_ids.to(device))
         hidden = drafter(emb, feats, b.q_pos.to(device), torch.arange(len(ids), device=device), b.mask.to(device))
+    head = target.head_weight(amp or hidden.dtype)
     w = b.weights.to(device)
     keep = torch.nonzero(w > 0).flatten()
     labels = b.labels.to(device)
-    total = hidden.new_zeros(())
+    total = hidden.new_zeros((), dtype=torch.float32)
     slot = (torch.arange(len(w), device=device) % c.block_size)
     for start in range(0, len(keep), chunk):  # the vocabulary never materializes for all blocks at once
         idx = keep[start:start + chunk]
-        logits = target.lm_head(hidden[idx]).float()
+        logits = F.linear(hidden[idx].to(head.dtype), head)  # [n, V]
+        logits = logits.float()
         ce = F.cross_entropy(logits, labels[idx], reduction="none")
         total = total + (ce * w[idx]).sum()
-        hits = (logits.argmax(-1) == labels[idx]).float()
-        stats["hits"].index_add_(0, slot[idx].cpu(), hits.detach().cpu())
+        hits = (logits.detach().argmax(-1) == labels[idx]).float()
+        stats["hits"].index_add_(0, slot[idx].cpu(), hits.cpu())
         stats["counts"].index_add_(0, slot[idx].cpu(), torch.ones_like(hits).cpu())
     (total * scale).backward()
     stats["loss_sum"] += float(total.detach())
@@ -123,6 +140,7 @@ class Trainer:
         self.device = dev
         self.target, self.drafter, self.tok = build(cfg, dev)
         t = cfg.trainer
+        self.amp = autocast_dtype(t.autocast, torch.device(dev))
         self.opt = torch.optim.AdamW(self.drafter.parameters(), lr=t.lr, weight_decay=t.weight_decay)
         self.step = 0
         self.total_steps = 0
@@ -132,22 +150,26 @@ class Trainer:
         self.resumed_from: int | None = None
         self.samples_seen = 0
         self.train_s = 0.0  # time spent in training steps, over all processes of this run
+        self.feed: ShardFeed | None = None  # rank 0's durable consumer of the TOKENIZED log
 
     # --- data --------------------------------------------------------------------------------
 
     async def _shard_keys(self) -> list[str]:
-        """The shard list, as rank 0 reads it (ranks must agree on the data)."""
-        keys = await shard_keys(self.bus, self.run) if self.dist.main else None
+        """The shard list, as rank 0's feed has it (ranks must agree on the data)."""
+        keys = self.feed.keys() if self.feed else None
         return await asyncio.to_thread(self.dist.from_main, keys)
 
     async def _wait_for_keys(self) -> list[str]:
+        """The first plan: once there is data and the backlog of announcements has been taken."""
         end = time.monotonic() + self.cfg.trainer.wait_for_data_s
         while True:
-            keys = await self._shard_keys()
-            if keys or await asyncio.to_thread(self.dist.any, time.monotonic() > end):
-                return keys
+            ready = bool(self.feed and self.feed.keys() and await self.feed.caught_up())
+            if await asyncio.to_thread(self.dist.from_main, ready):
+                return await self._shard_keys()
+            if await asyncio.to_thread(self.dist.any, time.monotonic() > end):
+                return await self._shard_keys()
             self.last = msgspec.structs.replace(self.last, state="waiting for data", ts=time.time())
-            await asyncio.sleep(5)
+            await asyncio.sleep(1)
 
     def _samples(self, keys: list[str]) -> list[TokenizedSample]:
         return load_samples(self.store, keys, holdout_mod=self.cfg.trainer.holdout_mod, train=True)
@@ -212,6 +234,14 @@ class Trainer:
         log.info("resumed from %s (step %d of %d)", prefix, self.step, self.total_steps)
         return True
 
+    async def checkpoint(self) -> str:
+        """Save, then ack the announcements the saved shard table covers (write-then-ack)."""
+        snap, waiting = self.feed.snapshot() if self.feed else (self.cursor.shards, [])
+        self.cursor.shards = snap
+        key = await asyncio.to_thread(self.save_checkpoint)
+        ShardFeed.checkpointed(waiting)
+        return key
+
     # --- the loop ----------------------------------------------------------------------------
 
     def out_of_time(self) -> bool:
@@ -258,9 +288,13 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
         if weight_sum > 0:
             for mb in micro[self.dist.rank::self.dist.world]:
-                for pos, s in mb:
+                t1 = time.perf_counter()  # the micro-batch's target forward, batched
+                feats = self.target.features_many([torch.tensor(s.input_ids[: t.max_length], device=self.device)
+                                                   for _, s in mb])
+                stats["target_s"] += time.perf_counter() - t1
+                for (pos, s), f in zip(mb, feats, strict=True):
                     sequence_loss(self.target, self.drafter, s, t.anchors_per_sequence, t.seed, self.step, pos,
-                                  t.max_length, t.logits_chunk, 1.0 / weight_sum, stats)
+                                  t.max_length, t.logits_chunk, 1.0 / weight_sum, stats, self.amp, f)
             self.dist.sum_grads(list(self.drafter.parameters()))
             torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), t.grad_clip)
             self.opt.step()
@@ -289,7 +323,8 @@ class Trainer:
         samples: list[TokenizedSample] = []
         checkpoint_key: str | None = None
         heartbeat = ProgressLoop(self.bus, subject, lambda: self.last, 10.0) if self.dist.main else contextlib.nullcontext()
-        async with heartbeat:
+        self.feed = ShardFeed(self.bus, self.run, self.cursor.shards) if self.dist.main else None
+        async with heartbeat, self.feed or contextlib.nullcontext():
             if resumed:
                 samples = await asyncio.to_thread(self._samples, self.cursor.keys)
             else:
@@ -299,7 +334,7 @@ class Trainer:
                 samples = await asyncio.to_thread(self._samples, keys)
                 if not samples:
                     raise RuntimeError(f"run {self.run}: tokenized shards hold no trainable sample")
-                self.cursor = Cursor(epoch=0, position=0, keys=keys)
+                self.cursor = Cursor(epoch=0, position=0, keys=keys, shards=self.cursor.shards)
                 self.total_steps = self._plan_total(samples)
                 self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(self.total_steps, t.warmup_ratio))
             order = epoch_order(len(samples), t.seed, self.cursor.epoch)
@@ -319,10 +354,11 @@ class Trainer:
                     continue
                 self.samples_seen += out["samples"]
                 if self.step % t.checkpoint_every == 0 or self.step >= self.total_steps:
-                    checkpoint_key = await asyncio.to_thread(self.save_checkpoint)
+                    checkpoint_key = await self.checkpoint()
                 self.last = TrainerProgress(
-                    run=self.run, worker=self.worker, step=self.step, epoch=self.cursor.epoch, loss=out["loss"],
-                    lr=self.sched.get_last_lr()[0], position_accuracy=[round(a, 4) for a in out["acc"]],
+                    run=self.run, worker=self.worker, step=self.step, total_steps=self.total_steps,
+                    epoch=self.cursor.epoch, loss=out["loss"],
+                    lr=self.opt.param_groups[0]["lr"], position_accuracy=[round(a, 4) for a in out["acc"]],
                     estimated_tau=round(estimated_tau(out["acc"]), 4), tokens_per_s=round(out["tokens_per_s"], 1),
                     target_forward_share=round(out["target_share"], 4), samples_seen=self.samples_seen,
                     checkpoint_key=checkpoint_key, state="running",
@@ -330,7 +366,7 @@ class Trainer:
                 if self.step % t.progress_every == 0 and self.dist.main:
                     await self.bus.publish(subject, self.last)
             if self.step and (checkpoint_key is None or not checkpoint_key.endswith(f"{self.step:08d}/")):
-                checkpoint_key = await asyncio.to_thread(self.save_checkpoint)
+                checkpoint_key = await self.checkpoint()
             done = self.step >= self.total_steps or (not t.max_steps and self.cursor.epoch >= t.epochs) \
                 or self.out_of_time()
             self.last = msgspec.structs.replace(self.last, checkpoint_key=checkpoint_key,
