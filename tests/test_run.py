@@ -4,8 +4,13 @@ then the same command again, which resumes the finished run and redoes nothing."
 from __future__ import annotations
 
 import json
+import os
+import pty
+import re
+import select
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import msgspec
@@ -46,6 +51,36 @@ def _dflash_run(stack_env: dict, run: str, prompts: Path, config: Path) -> subpr
         env={**stack_env, "DFLASH_MODEL__DEVICE": "cpu"}, capture_output=True, text=True, timeout=900)
 
 
+def _dflash_run_on_a_terminal(stack_env: dict, run: str, prompts: Path, config: Path) -> tuple[int, str]:
+    """`dflash run` with its stdout on a pseudo-terminal, so the live (rich) display is what runs."""
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shared.cli", "--config", str(config), "run", "--prompts", str(prompts), "--run", run,
+         "--no-dashboard"],
+        env={**stack_env, "DFLASH_MODEL__DEVICE": "cpu", "COLUMNS": "140", "TERM": "xterm-256color"},
+        stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, close_fds=True)
+    os.close(slave)
+    chunks, deadline = [], time.monotonic() + 900
+    try:
+        while time.monotonic() < deadline:
+            if select.select([master], [], [], 1.0)[0]:
+                try:
+                    data = os.read(master, 65536)
+                except OSError:  # EIO: the child closed its side
+                    break
+                if not data:
+                    break
+                chunks.append(data)
+            elif proc.poll() is not None:
+                break
+        rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        os.close(master)
+        if proc.poll() is None:
+            proc.kill()
+    return rc, b"".join(chunks).decode(errors="replace")
+
+
 def test_dflash_run_end_to_end_then_resume(stack, stack_env, tmp_path: Path) -> None:
     bundled = Path(__file__).parents[1] / "services/pipeline/data/prompts.jsonl"
     prompts = tmp_path / "prompts.jsonl"
@@ -69,9 +104,16 @@ def test_dflash_run_end_to_end_then_resume(stack, stack_env, tmp_path: Path) -> 
     assert "eval: τ =" in out and f"runs/{run}/checkpoints/" in out  # the report and where artifacts are
     checkpoints = sorted(store.list(f"runs/{run}/checkpoints/"))
 
-    second = _dflash_run(stack_env, run, prompts, config)
-    out2 = second.stdout + second.stderr
-    assert second.returncode == 0, out2[-4000:]
+    # the same command again, this time on a terminal: the live display, and nothing redone
+    rc, raw = _dflash_run_on_a_terminal(stack_env, run, prompts, config)
+    out2 = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", raw)
+    assert rc == 0, out2[-4000:]
+    assert "\x1b[" in raw and "━" in out2  # rich drew bars with cursor control, not the plain log lines
+    assert not re.search(r"^\[\d\d:\d\d:\d\d\] fed", out2, re.M)
+    bars = {line.split()[0]: line for line in out2.splitlines() if "━" in line and line.split()[0] in
+            ("fed", "generated", "tokenized", "trained")}
+    assert " 12/12 " in bars["generated"] and " 6/6 " in bars["trained"], bars  # per-stage counts
+    assert "1 rejected" in bars["fed"] and "samples" in bars["tokenized"], bars
     assert sorted(store.list(f"runs/{run}/completions/")) == completions  # nothing regenerated
     assert sorted(store.list(f"runs/{run}/tokenized/")) == tokenized
     assert sorted(store.list(f"runs/{run}/checkpoints/")) == checkpoints  # not trained again

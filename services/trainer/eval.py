@@ -10,6 +10,7 @@ token for token, on every prompt.
 
 from __future__ import annotations
 
+import inspect
 import time
 from typing import Any
 
@@ -19,20 +20,31 @@ from .features import Target
 from .model import DFlashDrafter
 
 
+def _cache_kw(model: Any) -> str:
+    """transformers ≥ 5.24 names the KV cache `cache` (`past_key_values` goes in 5.40); older ones the latter."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _cache(out: Any) -> Any:
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
 @torch.no_grad()
 def greedy(target: Target, prompt: list[int], max_new: int, eos: set[int]) -> list[int]:
     """Plain greedy decoding with a KV cache: the reference output and the speed baseline."""
     model = target.model
     device = next(model.parameters()).device
+    kw = _cache_kw(model)
     out = model(input_ids=torch.tensor([prompt], device=device), use_cache=True)
-    cache, tokens = out.past_key_values, []
+    cache, tokens = _cache(out), []
     nxt = int(out.logits[0, -1].argmax())
     while True:
         tokens.append(nxt)
         if nxt in eos or len(tokens) >= max_new:
             return tokens
-        out = model(input_ids=torch.tensor([[nxt]], device=device), past_key_values=cache, use_cache=True)
-        cache, nxt = out.past_key_values, int(out.logits[0, -1].argmax())
+        out = model(input_ids=torch.tensor([[nxt]], device=device), use_cache=True, **{kw: cache})
+        cache, nxt = _cache(out), int(out.logits[0, -1].argmax())
 
 
 @torch.no_grad()
@@ -42,8 +54,9 @@ def speculative(target: Target, drafter: DFlashDrafter, prompt: list[int], max_n
     model, c = target.model, drafter.config
     device = next(model.parameters()).device
     B = c.block_size
+    kw = _cache_kw(model)
     out = model(input_ids=torch.tensor([prompt], device=device), use_cache=True, output_hidden_states=True)
-    cache = out.past_key_values
+    cache = _cache(out)
     feats = torch.cat([out.hidden_states[layer + 1][0] for layer in target.layer_ids], -1)  # [P, k·D]
     tokens = [int(out.logits[0, -1].argmax())]  # the first token: the target's own
     cycles: list[int] = []
@@ -59,7 +72,7 @@ def speculative(target: Target, drafter: DFlashDrafter, prompt: list[int], max_n
         hidden = drafter(target.embed(block), feats, q_pos, torch.arange(ctx_len, device=device), mask)
         drafts = target.lm_head(hidden[1:]).argmax(-1)  # [B−1]
         verify_in = torch.cat([block[:1], drafts])[None]
-        vout = model(input_ids=verify_in, past_key_values=cache, use_cache=True, output_hidden_states=True)
+        vout = model(input_ids=verify_in, use_cache=True, output_hidden_states=True, **{kw: cache})
         choice = vout.logits[0].argmax(-1)  # target's greedy next token after each block position
         accepted = 0
         while accepted < B - 1 and int(drafts[accepted]) == int(choice[accepted]):
@@ -74,7 +87,7 @@ def speculative(target: Target, drafter: DFlashDrafter, prompt: list[int], max_n
         tokens.extend(new)
         vfeats = torch.cat([vout.hidden_states[layer + 1][0] for layer in target.layer_ids], -1)
         feats = torch.cat([feats, vfeats[: accepted + 1]], 0)  # the anchor and the accepted drafts
-        cache = vout.past_key_values
+        cache = _cache(vout)
         extra = cache.get_seq_length() - (anchor_pos + accepted + 1)  # the rejected drafts
         if extra > 0:
             cache.crop(-extra)  # a negative count removes that many (the form both old and new caches take)

@@ -194,6 +194,7 @@ class Trainer:
             torch.save({"optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(), "step": self.step,
                         "total_steps": self.total_steps, "cursor": self.cursor.__dict__,
                         "samples_seen": self.samples_seen, "train_s": self.train_s,
+                        "progress": msgspec.to_builtins(self.last),
                         "torch_rng": torch.get_rng_state()}, tmp / "state.pt")
             for path in sorted(tmp.rglob("*")):
                 if path.is_file():
@@ -230,6 +231,9 @@ class Trainer:
         self.samples_seen = state.get("samples_seen", 0)
         self.train_s = state.get("train_s", 0.0)
         torch.set_rng_state(state["torch_rng"])
+        if "progress" in state:  # what the run had reached, not a blank "starting" (step 0, loss 0)
+            self.last = msgspec.structs.replace(msgspec.convert(state["progress"], TrainerProgress), worker=self.worker,
+                                                checkpoint_key=prefix, state="resumed", ts=time.time())
         self.resumed_from = self.step
         log.info("resumed from %s (step %d of %d)", prefix, self.step, self.total_steps)
         return True
@@ -353,8 +357,6 @@ class Trainer:
                 if out is None:
                     continue
                 self.samples_seen += out["samples"]
-                if self.step % t.checkpoint_every == 0 or self.step >= self.total_steps:
-                    checkpoint_key = await self.checkpoint()
                 self.last = TrainerProgress(
                     run=self.run, worker=self.worker, step=self.step, total_steps=self.total_steps,
                     epoch=self.cursor.epoch, loss=out["loss"],
@@ -363,6 +365,9 @@ class Trainer:
                     target_forward_share=round(out["target_share"], 4), samples_seen=self.samples_seen,
                     checkpoint_key=checkpoint_key, state="running",
                 )
+                if self.step % t.checkpoint_every == 0 or self.step >= self.total_steps:
+                    checkpoint_key = await self.checkpoint()  # holds this step's progress, for a resume's display
+                    self.last = msgspec.structs.replace(self.last, checkpoint_key=checkpoint_key)
                 if self.step % t.progress_every == 0 and self.dist.main:
                     await self.bus.publish(subject, self.last)
             if self.step and (checkpoint_key is None or not checkpoint_key.endswith(f"{self.step:08d}/")):
