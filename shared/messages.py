@@ -146,7 +146,7 @@ class TrainerProgress(Message, tag="trainer_progress"):
     run: str
     worker: str
     step: int = 0
-    total_steps: int = 0  # as planned (it grows when data that arrived later joins an epoch)
+    total_steps: int = 0  # as planned when training began (later data joins epochs, not the plan)
     epoch: int = 0
     loss: float = 0.0
     lr: float = 0.0

@@ -45,8 +45,8 @@ class ShardFeed:
 
     def __init__(self, bus: Bus, run: str, shards: dict[str, tuple[str, int]] | None = None) -> None:
         self.bus, self.run = bus, run
-        # a crash-looping trainer redelivers many times: that is not the message's fault
-        # announcements are tiny and wait for a checkpoint: let a whole run's worth be pending at once
+        # Announcements are tiny and wait for a checkpoint: a whole run's worth may be pending at once.
+        # A crash-looping trainer gets them redelivered many times: that is not the message's fault.
         self.spec = consumer_for("train", run, max_ack_pending=100_000, max_deliver=1_000_000)
         self.shards: dict[str, tuple[str, int]] = {k: (v[0], int(v[1])) for k, v in (shards or {}).items()}
         self._waiting: list[asyncio.Future[None]] = []

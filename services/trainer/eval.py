@@ -57,7 +57,7 @@ def speculative(target: Target, drafter: DFlashDrafter, prompt: list[int], max_n
     kw = _cache_kw(model)
     out = model(input_ids=torch.tensor([prompt], device=device), use_cache=True, output_hidden_states=True)
     cache = _cache(out)
-    feats = torch.cat([out.hidden_states[layer + 1][0] for layer in target.layer_ids], -1)  # [P, k·D]
+    feats = target.pick(out.hidden_states)[0]  # [P, k·D]
     tokens = [int(out.logits[0, -1].argmax())]  # the first token: the target's own
     cycles: list[int] = []
     base = len(prompt)  # tokens[i] sits at position base + i
@@ -85,7 +85,7 @@ def speculative(target: Target, drafter: DFlashDrafter, prompt: list[int], max_n
                 break
         cycles.append(len(new))
         tokens.extend(new)
-        vfeats = torch.cat([vout.hidden_states[layer + 1][0] for layer in target.layer_ids], -1)
+        vfeats = target.pick(vout.hidden_states)[0]
         feats = torch.cat([feats, vfeats[: accepted + 1]], 0)  # the anchor and the accepted drafts
         cache = _cache(vout)
         extra = cache.get_seq_length() - (anchor_pos + accepted + 1)  # the rejected drafts

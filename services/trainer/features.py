@@ -8,6 +8,7 @@ layer's output with a forward hook, so it needs no model-specific code.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -33,7 +34,6 @@ class Target:
         # HF's hidden_states[n] (after the last layer) has the final norm applied: a hook on the last
         # layer would see it without, so that case (and any model without a `layers` list) runs whole.
         self.layers = layers if layers is not None and len(layers) == n and max(layer_ids) < n - 1 else None
-
         self._head: dict[torch.dtype, torch.Tensor] = {}
 
     def head_weight(self, dtype: torch.dtype) -> torch.Tensor:
@@ -63,11 +63,14 @@ class Target:
         feats = self._features(batch)
         return [feats[i, : len(s)] for i, s in enumerate(sequences)]
 
+    def pick(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """HF's hidden_states tuple → the chosen layers' outputs, concatenated: [..., S, k·D]."""
+        return torch.cat([hidden_states[layer + 1] for layer in self.layer_ids], -1)
+
     def _features(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[N, S] → [N, S, k·D]."""
         if self.layers is None:
-            out = self.model(input_ids=input_ids, output_hidden_states=True, use_cache=False)
-            return torch.cat([out.hidden_states[layer + 1] for layer in self.layer_ids], -1)
+            return self.pick(self.model(input_ids=input_ids, output_hidden_states=True, use_cache=False).hidden_states)
         caught: dict[int, torch.Tensor] = {}
         last = max(self.layer_ids)
 
@@ -80,9 +83,8 @@ class Target:
 
         handles = [self.layers[i].register_forward_hook(hook(i)) for i in sorted(set(self.layer_ids))]
         try:
-            self.decoder(input_ids=input_ids, use_cache=False)
-        except _Enough:
-            pass
+            with contextlib.suppress(_Enough):
+                self.decoder(input_ids=input_ids, use_cache=False)
         finally:
             for h in handles:
                 h.remove()

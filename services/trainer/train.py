@@ -90,10 +90,10 @@ def autocast_dtype(setting: str, device: torch.device) -> torch.dtype | None:
 
 def sequence_loss(target: Target, drafter: DFlashDrafter, sample: TokenizedSample, anchors_n: int, seed: int,
                   step: int, index: int, max_length: int, chunk: int, scale: float, stats: dict,
-                  amp: torch.dtype | None = None, feats: torch.Tensor | None = None) -> None:
-    """Forward + backward of one sequence's blocks; adds to stats (loss numerator, per-slot hits).
-    `feats` are the target's features when the caller batched the target forward. The target stays
-    in its own dtype (fp32 on CPU); `amp` autocasts the drafter, and the head runs in that dtype."""
+                  amp: torch.dtype | None, feats: torch.Tensor) -> None:
+    """Drafter forward + backward of one sequence's blocks; adds to stats (loss numerator, per-slot hits).
+    `feats` [S, k·D] come from the caller's batched target forward (in the target's dtype, fp32 on
+    CPU); `amp` autocasts the drafter, and the head runs in that dtype."""
     c = drafter.config
     device = next(drafter.parameters()).device
     ids = torch.tensor(sample.input_ids[:max_length], dtype=torch.long)
@@ -103,10 +103,6 @@ def sequence_loss(target: Target, drafter: DFlashDrafter, sample: TokenizedSampl
     if len(anchors) == 0:
         return
     b = make_blocks(ids, mask, anchors, c.block_size, c.mask_token_id)
-    if feats is None:
-        t0 = time.perf_counter()
-        feats = target.features(ids.to(device))  # [S, k·D]
-        stats["target_s"] += time.perf_counter() - t0
     with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
         emb = target.embed(b.block_ids.to(device))
         hidden = drafter(emb, feats, b.q_pos.to(device), torch.arange(len(ids), device=device), b.mask.to(device))
