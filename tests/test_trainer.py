@@ -70,6 +70,30 @@ def test_blocks_labels_context_and_weights_are_aligned() -> None:
     assert estimated_tau([1.0, 1.0]) == 3.0 and estimated_tau([0.0, 1.0]) == 1.0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_head_loss_matches_autograd_cross_entropy(dtype: torch.dtype) -> None:
+    import torch.nn.functional as F
+
+    from services.trainer.loss import head_cross_entropy
+
+    g = torch.Generator().manual_seed(0)
+    head = (torch.randn(1000, 64, generator=g) * 0.3).to(dtype)
+    labels, w = torch.randint(0, 1000, (37,), generator=g), torch.rand(37, generator=g)
+    hidden = torch.randn(37, 64, generator=g).to(dtype).requires_grad_()
+    loss, hits = head_cross_entropy(hidden, head, labels, w, chunk=8)  # 37 rows: the last chunk is short
+    (loss * 0.5).backward()
+    fused_grad, hidden.grad = hidden.grad.clone(), None
+    logits = (hidden @ head.T).float()
+    ref = (F.cross_entropy(logits, labels, reduction="none") * w).sum()
+    (ref * 0.5).backward()
+    assert loss.dtype == torch.float32 and float(loss) == pytest.approx(float(ref), rel=1e-5)
+    tol = 1e-6 if dtype == torch.float32 else 1e-3  # bf16: the gradient is rounded once, before the head matmul
+    assert torch.allclose(fused_grad.float(), hidden.grad.float(), atol=tol, rtol=tol)
+    assert torch.equal(hits, logits.argmax(-1) == labels)
+    with pytest.raises(ValueError, match="frozen"):
+        head_cross_entropy(hidden, head.clone().requires_grad_(), labels, w)
+
+
 def test_feature_layers_follow_the_papers_rule() -> None:
     assert feature_layer_ids(36, 5) == [1, 9, 17, 25, 33]
     assert feature_layer_ids(30, 5) == [1, 8, 14, 21, 27]  # SmolLM2-135M

@@ -24,7 +24,6 @@ from typing import Any
 
 import msgspec
 import torch
-import torch.nn.functional as F
 
 from shared.bus import Bus, ProgressLoop
 from shared.config import Config
@@ -36,6 +35,7 @@ from .blocks import estimated_tau, make_blocks, sample_anchors
 from .data import ShardFeed, epoch_order, load_samples
 from .dist import Dist
 from .features import Target
+from .loss import head_cross_entropy
 from .model import DFlashDrafter, feature_layer_ids, resolve_mask_token_id
 
 log = logging.getLogger("dflash.trainer")
@@ -109,18 +109,10 @@ def sequence_loss(target: Target, drafter: DFlashDrafter, sample: TokenizedSampl
     head = target.head_weight(amp or hidden.dtype)
     w = b.weights.to(device)
     keep = torch.nonzero(w > 0).flatten()
-    labels = b.labels.to(device)
-    total = hidden.new_zeros((), dtype=torch.float32)
-    slot = (torch.arange(len(w), device=device) % c.block_size)
-    for start in range(0, len(keep), chunk):  # the vocabulary never materializes for all blocks at once
-        idx = keep[start:start + chunk]
-        logits = F.linear(hidden[idx].to(head.dtype), head)  # [n, V]
-        logits = logits.float()
-        ce = F.cross_entropy(logits, labels[idx], reduction="none")
-        total = total + (ce * w[idx]).sum()
-        hits = (logits.detach().argmax(-1) == labels[idx]).float()
-        stats["hits"].index_add_(0, slot[idx].cpu(), hits.cpu())
-        stats["counts"].index_add_(0, slot[idx].cpu(), torch.ones_like(hits).cpu())
+    total, hits = head_cross_entropy(hidden[keep].to(head.dtype), head, b.labels.to(device)[keep], w[keep], chunk)
+    slot = (keep % c.block_size).cpu()
+    stats["hits"].index_add_(0, slot, hits.float().cpu())
+    stats["counts"].index_add_(0, slot, torch.ones(len(slot)))
     (total * scale).backward()
     stats["loss_sum"] += float(total.detach())
     stats["tokens"] += len(ids)

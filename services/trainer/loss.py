@@ -1,0 +1,79 @@
+"""Weighted cross-entropy through the frozen LM head, fused with the head's matmul.
+
+The drafter's loss needs logits over the whole vocabulary (49k for SmolLM2, 152k for Qwen3) at
+every block slot; unfused, autograd keeps each chunk's fp32 logits for the backward and walks
+them five more times (log-softmax, its backward, the NLL one-hot, the dtype casts, argmax).
+Here each chunk of rows is taken through once, in the forward: logits → fp32 softmax → the
+gradient of the weighted loss w.r.t. the hidden rows (as Liger's fused linear cross-entropy).
+The [n, V] logits exist one chunk at a time and nothing vocabulary-sized is kept for backward,
+which only scales the stored [N, D] gradient. The head is frozen: no gradient for it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_WORKSPACE: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _scratch(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A reused [rows, cols] buffer on CPU: a fresh 100 MB tensor per chunk costs as much in page
+    faults as the pass that fills it (GPU allocators cache blocks themselves)."""
+    if device.type != "cpu":
+        return torch.empty(rows, cols, dtype=dtype, device=device)
+    buf = _WORKSPACE.get((dtype, device))
+    if buf is None or buf.numel() < rows * cols:
+        buf = _WORKSPACE[(dtype, device)] = torch.empty(rows * cols, dtype=dtype, device=device)
+    return buf[: rows * cols].view(rows, cols)
+
+
+class _HeadCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+                chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # hidden [N, D] in the head's dtype, head [V, D], labels [N], weights [N] fp32
+        N, V = hidden.shape[0], head.shape[0]
+        grad = torch.empty_like(hidden)
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        hits = torch.empty(N, dtype=torch.bool, device=hidden.device)
+        rows_max = min(chunk, N)
+        logits_buf = _scratch(rows_max, V, head.dtype, hidden.device)
+        p_buf = logits_buf if head.dtype == torch.float32 else _scratch(rows_max, V, torch.float32, hidden.device)
+        for start in range(0, N, chunk):
+            n = min(chunk, N - start)
+            rows = slice(start, start + n)
+            y, w = labels[rows, None], weights[rows, None]
+            logits = torch.mm(hidden[rows], head.T, out=logits_buf[:n])  # [n, V], the head's dtype
+            top = logits.amax(-1, keepdim=True).float()
+            picked = logits.gather(1, y).float()
+            hits[rows] = (picked >= top).squeeze(1)  # argmax == label (a tie counts as a hit)
+            # fp32 from here. The floor: exp of an input below about −87 is a denormal and the CPU's
+            # exp is ~20× slower there, while a trained head spreads logits over hundreds;
+            # exp(−64) ≈ 1.6e-28 cannot move an fp32 sum that holds the max's 1.
+            p = p_buf[:n]
+            if p is not logits:
+                p.copy_(logits)
+            p.sub_(top).clamp_min_(-64.0).exp_()
+            z = p.sum(-1, keepdim=True)
+            loss += ((z.log() + top - picked) * w).sum()  # CE = logsumexp − logit[label]
+            # d(Σ w·CE)/d logits = w·(softmax − onehot) = (p − z·onehot)·w/z
+            p.scatter_add_(1, y, -z).mul_(w / z)
+            g = logits.copy_(p) if p is not logits else p  # back to the head's dtype, into the logits' buffer
+            torch.mm(g, head, out=grad[rows])
+        ctx.save_for_backward(grad)
+        ctx.mark_non_differentiable(hits)
+        return loss, hits
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor, _grad_hits: torch.Tensor | None):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_loss.to(grad.dtype), None, None, None, None
+
+
+def head_cross_entropy(hidden: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+                       chunk: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
+    """Σ_i w_i · CE(hidden_i · headᵀ, labels_i) as an fp32 scalar (differentiable in `hidden`), and
+    whether each row's argmax is its label. Softmax math is fp32 whatever the matmuls' dtype."""
+    if head.requires_grad:
+        raise ValueError("head_cross_entropy is for a frozen head: it computes no gradient for it")
+    return _HeadCrossEntropy.apply(hidden, head, labels, weights.float(), max(1, chunk))
