@@ -11,9 +11,12 @@ which only scales the stored [N, D] gradient. The head is frozen: no gradient fo
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 _WORKSPACE: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+_WORKSPACE_LOCK = threading.Lock()  # one user of the scratch buffers at a time (the trainer runs steps in threads)
 
 
 def _scratch(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -32,10 +35,20 @@ class _HeadCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
                 chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
         # hidden [N, D] in the head's dtype, head [V, D], labels [N], weights [N] fp32
-        N, V = hidden.shape[0], head.shape[0]
+        N = hidden.shape[0]
         grad = torch.empty_like(hidden)
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         hits = torch.empty(N, dtype=torch.bool, device=hidden.device)
+        with _WORKSPACE_LOCK:
+            _HeadCrossEntropy._chunks(hidden, head, labels, weights, chunk, grad, loss, hits)
+        ctx.save_for_backward(grad)
+        ctx.mark_non_differentiable(hits)
+        return loss, hits
+
+    @staticmethod
+    def _chunks(hidden: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, chunk: int,
+                grad: torch.Tensor, loss: torch.Tensor, hits: torch.Tensor) -> None:
+        N, V = hidden.shape[0], head.shape[0]
         rows_max = min(chunk, N)
         logits_buf = _scratch(rows_max, V, head.dtype, hidden.device)
         p_buf = logits_buf if head.dtype == torch.float32 else _scratch(rows_max, V, torch.float32, hidden.device)
@@ -60,9 +73,6 @@ class _HeadCrossEntropy(torch.autograd.Function):
             p.scatter_add_(1, y, -z).mul_(w / z)
             g = logits.copy_(p) if p is not logits else p  # back to the head's dtype, into the logits' buffer
             torch.mm(g, head, out=grad[rows])
-        ctx.save_for_backward(grad)
-        ctx.mark_non_differentiable(hits)
-        return loss, hits
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor, _grad_hits: torch.Tensor | None):

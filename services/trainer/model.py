@@ -128,7 +128,8 @@ class Attention(nn.Module):
         q, k = rope(q, q_pos, c.rope_theta), rope(k, kv_pos, c.rope_theta)
         rep = hq // hk
         k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)  # GQA
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None])  # [Hq, Q, hd]
+        # a batch of one: 4-D inputs take the fused (flash) CPU kernel, 3-D ones the unfused math path
+        y = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask[None, None])[0]  # [Hq, Q, hd]
         return self.o_proj(y.transpose(0, 1).reshape(-1, hq * hd))
 
 
