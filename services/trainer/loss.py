@@ -35,44 +35,36 @@ class _HeadCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
                 chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
         # hidden [N, D] in the head's dtype, head [V, D], labels [N], weights [N] fp32
-        N = hidden.shape[0]
+        (N, _), V = hidden.shape, head.shape[0]
         grad = torch.empty_like(hidden)
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         hits = torch.empty(N, dtype=torch.bool, device=hidden.device)
+        fp32_head = head.dtype == torch.float32
         with _WORKSPACE_LOCK:
-            _HeadCrossEntropy._chunks(hidden, head, labels, weights, chunk, grad, loss, hits)
+            logits_buf = _scratch(min(chunk, N), V, head.dtype, hidden.device)
+            p_buf = logits_buf if fp32_head else _scratch(min(chunk, N), V, torch.float32, hidden.device)
+            for start in range(0, N, chunk):
+                n = min(chunk, N - start)
+                rows = slice(start, start + n)
+                y, w = labels[rows, None], weights[rows, None]
+                logits = torch.mm(hidden[rows], head.T, out=logits_buf[:n])  # [n, V], the head's dtype
+                top = logits.amax(-1, keepdim=True).float()
+                picked = logits.gather(1, y).float()
+                hits[rows] = (picked >= top).squeeze(1)  # argmax == label (a tie counts as a hit)
+                # fp32 from here. The floor: exp of an input below about −87 is a denormal and the CPU's
+                # exp is ~20× slower there, while a trained head spreads logits over hundreds;
+                # exp(−64) ≈ 1.6e-28 cannot move an fp32 sum that holds the max's 1.
+                p = logits if fp32_head else p_buf[:n].copy_(logits)
+                p.sub_(top).clamp_min_(-64.0).exp_()
+                z = p.sum(-1, keepdim=True)
+                loss += ((z.log() + top - picked) * w).sum()  # CE = logsumexp − logit[label]
+                # d(Σ w·CE)/d logits = w·(softmax − onehot) = (p − z·onehot)·w/z
+                p.scatter_add_(1, y, -z).mul_(w / z)
+                g = p if fp32_head else logits.copy_(p)  # back to the head's dtype, into the logits' buffer
+                torch.mm(g, head, out=grad[rows])
         ctx.save_for_backward(grad)
         ctx.mark_non_differentiable(hits)
         return loss, hits
-
-    @staticmethod
-    def _chunks(hidden: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, chunk: int,
-                grad: torch.Tensor, loss: torch.Tensor, hits: torch.Tensor) -> None:
-        N, V = hidden.shape[0], head.shape[0]
-        rows_max = min(chunk, N)
-        logits_buf = _scratch(rows_max, V, head.dtype, hidden.device)
-        p_buf = logits_buf if head.dtype == torch.float32 else _scratch(rows_max, V, torch.float32, hidden.device)
-        for start in range(0, N, chunk):
-            n = min(chunk, N - start)
-            rows = slice(start, start + n)
-            y, w = labels[rows, None], weights[rows, None]
-            logits = torch.mm(hidden[rows], head.T, out=logits_buf[:n])  # [n, V], the head's dtype
-            top = logits.amax(-1, keepdim=True).float()
-            picked = logits.gather(1, y).float()
-            hits[rows] = (picked >= top).squeeze(1)  # argmax == label (a tie counts as a hit)
-            # fp32 from here. The floor: exp of an input below about −87 is a denormal and the CPU's
-            # exp is ~20× slower there, while a trained head spreads logits over hundreds;
-            # exp(−64) ≈ 1.6e-28 cannot move an fp32 sum that holds the max's 1.
-            p = p_buf[:n]
-            if p is not logits:
-                p.copy_(logits)
-            p.sub_(top).clamp_min_(-64.0).exp_()
-            z = p.sum(-1, keepdim=True)
-            loss += ((z.log() + top - picked) * w).sum()  # CE = logsumexp − logit[label]
-            # d(Σ w·CE)/d logits = w·(softmax − onehot) = (p − z·onehot)·w/z
-            p.scatter_add_(1, y, -z).mul_(w / z)
-            g = logits.copy_(p) if p is not logits else p  # back to the head's dtype, into the logits' buffer
-            torch.mm(g, head, out=grad[rows])
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor, _grad_hits: torch.Tensor | None):
