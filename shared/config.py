@@ -134,6 +134,13 @@ class TrainerConfig(Section):
     checkpoint_every: int = 200
     logits_chunk: int = 2048
     autocast: Literal["auto", "bf16", "off"] = "auto"  # drafter bf16 autocast: auto (GPU, or CPU with bf16 matmul units) | bf16 | off
+    # The frozen target's training forward on CPU: fp32 weights, "bf16" autocasts its matmuls (about 2x
+    # on CPUs with AMX, features within ~0.5%); GPU targets load as bf16 weights either way. `dflash eval`
+    # always decodes with the target as loaded.
+    target_autocast: Literal["off", "bf16"] = "off"
+    # "random" as the paper; "target" starts the drafter from the target's layers above the deepest
+    # feature layer (DFlashDrafter.init_from_target), which learns faster in short runs.
+    init: Literal["random", "target"] = "random"
     seed: int = 0
     holdout_mod: int = 20  # every 20th prompt (by id hash) is held out of training for `dflash eval`
     progress_every: int = 1  # steps between TrainerProgress events

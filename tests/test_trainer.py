@@ -114,6 +114,33 @@ def test_target_features_are_layer_outputs_without_shift(target_dir: Path) -> No
     assert torch.equal(feats[:, :D], ref[2][0]) and torch.equal(feats[:, D:], ref[9][0])
 
 
+def test_target_init_starts_from_the_layers_above_the_deepest_feature(target_dir: Path) -> None:
+    from services.trainer.features import Target
+    from services.trainer.model import resolve_mask_token_id
+    from shared.model import load_causal_lm, load_tokenizer
+
+    lm = load_causal_lm(str(target_dir))
+    n, layers = lm.config.num_hidden_layers, lm.get_decoder().layers
+    ids = feature_layer_ids(n, 5)
+    deepest = max(ids)
+    mask_id = resolve_mask_token_id(load_tokenizer(str(target_dir)), lm.config.vocab_size)
+    d = DFlashDrafter.for_target(lm.config, num_layers=n - deepest, block_size=8, layer_ids=ids, mask_token_id=mask_id)
+    untouched = d.layers[-1].self_attn.q_proj.weight.clone()
+    d.init_from_target(layers)
+    feats = Target(lm, ids).features(torch.tensor([1, 2, 3, 4, 5]))
+    D = lm.config.hidden_size
+    # the fused context is the deepest layer's output as the layer above it normalises its input
+    expected = layers[deepest + 1].input_layernorm(feats[:, -D:])
+    assert torch.allclose(d.fuse(feats), expected, atol=1e-5)
+    for i, layer in enumerate(d.layers[:-1]):
+        source = layers[deepest + 1 + i]
+        assert torch.equal(layer.self_attn.k_proj.weight, source.self_attn.k_proj.weight)
+        assert torch.equal(layer.mlp.down_proj.weight, source.mlp.down_proj.weight)
+        assert torch.equal(layer.post_attention_layernorm.weight, source.post_attention_layernorm.weight)
+    assert torch.equal(d.layers[-1].self_attn.q_proj.weight, untouched)  # no target layer left above
+    assert torch.equal(d.norm.weight, torch.ones(D))
+
+
 def test_checkpoint_layout_matches_public_dflash_drafters(tmp_path: Path) -> None:
     from types import SimpleNamespace
 

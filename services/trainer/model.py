@@ -179,6 +179,30 @@ class DFlashDrafter(nn.Module):
             x = layer(x, ctx, q_pos, ctx_pos, mask)
         return self.norm(x)
 
+    @torch.no_grad()
+    def init_from_target(self, target_layers: Any) -> None:
+        """Start from the target's own computation above the deepest feature layer instead of noise.
+
+        From random weights a short run spends most of its time on a plateau of context-free guesses;
+        here the fused context starts as the deepest feature layer's output, normalised as the target
+        layer above it normalises its input, and drafter layer i starts as a copy of target layer
+        deepest+1+i (matching parameter names and shapes; anything without a counterpart stays random).
+        The final norm stays at ones: a copy of the target's makes confident wrong logits at the start.
+        """
+        c = self.config
+        deepest = max(c.target_layer_ids)
+        slot, D = c.target_layer_ids.index(deepest), c.hidden_size
+        self.fc.weight.zero_()
+        self.fc.weight[:, slot * D:(slot + 1) * D] = torch.eye(D)
+        above = [target_layers[i] for i in range(deepest + 1, len(target_layers))]
+        if above and hasattr(above[0], "input_layernorm"):
+            self.hidden_norm.weight.copy_(above[0].input_layernorm.weight)
+        for layer, source in zip(self.layers, above, strict=False):
+            theirs = source.state_dict()
+            for name, p in layer.state_dict(keep_vars=True).items():
+                if name in theirs and theirs[name].shape == p.shape:
+                    p.copy_(theirs[name])
+
     @classmethod
     def for_target(cls, target_config: Any, *, num_layers: int, block_size: int, layer_ids: list[int],
                    mask_token_id: int) -> DFlashDrafter:

@@ -74,7 +74,10 @@ def build(cfg: Config, device: str) -> tuple[Target, DFlashDrafter, Any]:
     n = lm.config.num_hidden_layers
     ids = list(t.target_layer_ids) or feature_layer_ids(n, t.num_feature_layers)
     drafter = DFlashDrafter.for_target(lm.config, num_layers=t.num_layers, block_size=t.block_size, layer_ids=ids,
-                                       mask_token_id=resolve_mask_token_id(tok, lm.config.vocab_size)).to(device)
+                                       mask_token_id=resolve_mask_token_id(tok, lm.config.vocab_size))
+    if t.init == "target":
+        drafter.init_from_target(lm.get_decoder().layers)
+    drafter = drafter.to(device)
     return Target(lm, ids), drafter, tok
 
 
@@ -281,8 +284,9 @@ class Trainer:
         if weight_sum > 0:
             for mb in micro[self.dist.rank::self.dist.world]:
                 t1 = time.perf_counter()  # the micro-batch's target forward, batched
-                feats = self.target.features_many([torch.tensor(s.input_ids[: t.max_length], device=self.device)
-                                                   for _, s in mb])
+                with torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16, enabled=t.target_autocast == "bf16"):
+                    feats = self.target.features_many([torch.tensor(s.input_ids[: t.max_length], device=self.device)
+                                                       for _, s in mb])
                 stats["target_s"] += time.perf_counter() - t1
                 for (pos, s), f in zip(mb, feats, strict=True):
                     sequence_loss(self.target, self.drafter, s, t.anchors_per_sequence, t.seed, self.step, pos,
