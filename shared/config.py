@@ -134,10 +134,14 @@ class TrainerConfig(Section):
     checkpoint_every: int = 200
     logits_chunk: int = 2048
     autocast: Literal["auto", "bf16", "off"] = "auto"  # drafter bf16 autocast: auto (GPU, or CPU with bf16 matmul units) | bf16 | off
-    # The frozen target's training forward on CPU: fp32 weights, "bf16" autocasts its matmuls (about 2x
-    # on CPUs with AMX, features within ~0.5%); GPU targets load as bf16 weights either way. `dflash eval`
-    # always decodes with the target as loaded.
-    target_autocast: Literal["off", "bf16"] = "off"
+    # The frozen target's training forward on CPU: fp32 weights, "bf16" autocasts its matmuls (~1.7x
+    # on CPUs with AVX512-BF16/AMX, features within ~0.5%; ~7x slower on AVX2-only CPUs, which emulate
+    # bf16), "auto" only where the CPU has bf16 units; GPU targets load as bf16 weights either way.
+    # `dflash eval` always decodes with the target as loaded.
+    target_autocast: Literal["off", "auto", "bf16"] = "off"
+    # >0: the drafter proposes only from the K ids most frequent in the training labels (EAGLE-3's
+    # draft vocabulary), so the frozen head costs K/V of the whole one; labels outside are not trained on.
+    draft_vocab: int = 0
     # "random" as the paper; "target" starts the drafter from the target's layers above the deepest
     # feature layer (DFlashDrafter.init_from_target), which learns faster in short runs.
     init: Literal["random", "target"] = "random"

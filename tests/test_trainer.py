@@ -154,7 +154,7 @@ def test_checkpoint_layout_matches_public_dflash_drafters(tmp_path: Path) -> Non
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["architectures"] == ["DFlashDraftModel"]
     assert cfg["block_size"] == 8 and cfg["num_target_layers"] == 12 and cfg["num_hidden_layers"] == 2
-    assert cfg["dflash_config"] == {"mask_token_id": 0, "target_layer_ids": [1, 3, 5, 7, 9]}
+    assert cfg["dflash_config"] == {"mask_token_id": 0, "target_layer_ids": [1, 3, 5, 7, 9]}  # no draft vocabulary
     with safe_open(tmp_path / "model.safetensors", "pt") as f:
         names = set(f.keys())
     assert "fc.weight" in names and "hidden_norm.weight" in names and "norm.weight" in names
@@ -164,6 +164,39 @@ def test_checkpoint_layout_matches_public_dflash_drafters(tmp_path: Path) -> Non
     x, f = torch.randn(8, 64), torch.randn(5, 5 * 64)
     q, c, m = torch.arange(5, 13), torch.arange(5), torch.ones(8, 13, dtype=torch.bool)
     assert torch.equal(d(x, f, q, c, m), loaded(x, f, q, c, m))
+
+
+def test_draft_vocab_restricts_proposals_and_survives_save_load(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from services.trainer.train import draft_vocab_ids
+    from shared.records import TokenizedSample
+
+    tc = SimpleNamespace(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=8, vocab_size=50, num_hidden_layers=8, rms_norm_eps=1e-5, rope_theta=1e4,
+                         max_position_embeddings=128)
+    d = DFlashDrafter.for_target(tc, num_layers=1, block_size=4, layer_ids=[1, 5], mask_token_id=0)
+    # supervised ids: 7 ×3, 3 ×2, 9 ×2, 4 ×1; the unsupervised 1s never count
+    samples = [TokenizedSample(prompt_id="a", input_ids=[1, 1, 1, 7, 7, 3, 9], loss_mask=[0, 0, 0, 1, 1, 1, 1],
+                               num_tokens=7, num_supervised=4),
+               TokenizedSample(prompt_id="b", input_ids=[1, 7, 3, 9, 4], loss_mask=[0, 1, 1, 1, 1],
+                               num_tokens=5, num_supervised=4)]
+    vocab = draft_vocab_ids(samples, 3, tc.vocab_size)
+    assert vocab.tolist() == [3, 7, 9]  # the three most frequent (7, 3, 9), sorted
+    d.set_draft_vocab(vocab)
+    assert d.vocab_rows(torch.tensor([9, 4, 3, 7])).tolist() == [2, -1, 0, 1]
+    head = torch.nn.Linear(32, tc.vocab_size, bias=False)
+    hidden = torch.randn(20, 32)
+    proposals = d.propose(hidden, head)
+    assert set(proposals.tolist()) <= {3, 7, 9}
+    assert torch.equal(proposals, vocab[(hidden @ head.weight[vocab].T).argmax(-1)])
+    d.save(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["dflash_config"]["draft_vocab_size"] == 3
+    loaded = DFlashDrafter.load(tmp_path)
+    assert torch.equal(loaded.draft_vocab, vocab) and torch.equal(loaded.propose(hidden, head), proposals)
+    with pytest.raises(ValueError, match="draft vocabulary"):
+        d.set_draft_vocab(torch.arange(tc.vocab_size))
 
 
 # --- training on the live stack -------------------------------------------------------------------
@@ -245,12 +278,16 @@ def test_train_kill9_resume_is_exact_and_eval_is_lossless(stack, stack_env, tmp_
     publish_tokenized(stack, run_b)
     store = Store.open(make_config(stack, run_a))
 
+    # Both from the target's layers and with a draft vocabulary smaller than the answers' distinct
+    # tokens (64 ids hold 82% of these labels): chosen from the data, restored on resume, used by the
+    # eval. (From a random init, eight steps over 64 rows are too noisy to show learning.)
+    env = _env(stack_env, draft_vocab=64, init="target")
     # A: uninterrupted
-    a = _spawn(_env(stack_env), run_a, tmp_path / "a.log", "train")
+    a = _spawn(env, run_a, tmp_path / "a.log", "train")
     assert a.wait(timeout=600) == 0, (tmp_path / "a.log").read_text()[-3000:]
 
     # B: kill -9 right after the first checkpoint, then restart
-    b = _spawn(_env(stack_env), run_b, tmp_path / "b.log", "train")
+    b = _spawn(env, run_b, tmp_path / "b.log", "train")
     deadline = time.monotonic() + 600
     while _latest_step(store, run_b) < 3:
         assert b.poll() is None, (tmp_path / "b.log").read_text()[-3000:]
@@ -260,7 +297,7 @@ def test_train_kill9_resume_is_exact_and_eval_is_lossless(stack, stack_env, tmp_
     b.wait()
     killed_at = _latest_step(store, run_b)
     assert killed_at < TINY["max_steps"]
-    b2 = _spawn(_env(stack_env), run_b, tmp_path / "b.log", "train")
+    b2 = _spawn(env, run_b, tmp_path / "b.log", "train")
     assert b2.wait(timeout=600) == 0, (tmp_path / "b.log").read_text()[-3000:]
     assert "resumed from" in (tmp_path / "b.log").read_text()
 
@@ -276,9 +313,11 @@ def test_train_kill9_resume_is_exact_and_eval_is_lossless(stack, stack_env, tmp_
     assert last.tokens_per_s > 0 and 0 < last.target_forward_share < 1
     assert last.checkpoint_key == Keys.checkpoint(run_a, TINY["max_steps"])
     assert store.exists(Keys.checkpoint(run_a, TINY["max_steps"]) + "drafter/model.safetensors")
+    drafter_cfg = json.loads(store.get_bytes(Keys.checkpoint(run_a, TINY["max_steps"]) + "drafter/config.json"))
+    assert drafter_cfg["dflash_config"]["draft_vocab_size"] == 64
 
     # eval: real speculative decoding with the trained drafter, checked against plain greedy
-    ev = subprocess.run([sys.executable, "-m", "shared.cli", "eval", "--run", run_a], env=_env(stack_env),
+    ev = subprocess.run([sys.executable, "-m", "shared.cli", "eval", "--run", run_a], env=env,
                         capture_output=True, text=True, timeout=600)
     assert ev.returncode == 0, ev.stdout + ev.stderr
     import msgspec

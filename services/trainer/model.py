@@ -12,6 +12,12 @@ The checkpoint layout follows the public DFlash drafters: `config.json` with
 `dflash_config: {mask_token_id, target_layer_ids}` and Qwen3-style layer names in
 `model.safetensors` (`layers.N.self_attn.{q,k,v,o}_proj`, `q_norm`, `k_norm`, `mlp.{gate,up,down}_proj`,
 `input_layernorm`, `post_attention_layernorm`, `norm`, `fc`, `hidden_norm`).
+
+A draft vocabulary (`trainer.draft_vocab = K`, off by default) restricts the drafter's proposals to
+the K tokens most frequent in the training labels, as EAGLE-3's: the frozen head's cost falls by V/K
+in training and drafting, and nothing else changes (the target verifies every proposal). It adds
+`dflash_config.draft_vocab_size` and a `draft_vocab` [K] id tensor to the checkpoint; an engine that
+does not know them would propose over the whole vocabulary.
 """
 
 from __future__ import annotations
@@ -62,22 +68,26 @@ class DFlashConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     max_position_embeddings: int = 8192
+    draft_vocab_size: int = 0  # 0: proposals over the target's whole vocabulary
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_hf(self) -> dict[str, Any]:
         """config.json in the public DFlash drafters' layout."""
         d = asdict(self)
-        ids, mask = d.pop("target_layer_ids"), d.pop("mask_token_id")
+        ids, mask, draft_vocab = d.pop("target_layer_ids"), d.pop("mask_token_id"), d.pop("draft_vocab_size")
         d.pop("extra")
+        dflash = {"mask_token_id": mask, "target_layer_ids": ids}
+        if draft_vocab:
+            dflash["draft_vocab_size"] = draft_vocab
         return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", **d,
-                "dflash_config": {"mask_token_id": mask, "target_layer_ids": ids}, "torch_dtype": "float32",
-                **self.extra}
+                "dflash_config": dflash, "torch_dtype": "float32", **self.extra}
 
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> DFlashConfig:
         fields = {k: d[k] for k in cls.__dataclass_fields__ if k in d and k not in ("extra",)}
         fields["target_layer_ids"] = d["dflash_config"]["target_layer_ids"]
         fields["mask_token_id"] = d["dflash_config"]["mask_token_id"]
+        fields["draft_vocab_size"] = d["dflash_config"].get("draft_vocab_size", 0)
         return cls(**fields)
 
 
@@ -166,6 +176,37 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.register_buffer("draft_vocab", None)  # [K] ids when proposals are restricted
+        if c.draft_vocab_size:
+            self.set_draft_vocab(torch.zeros(c.draft_vocab_size, dtype=torch.long))
+
+    def set_draft_vocab(self, ids: torch.Tensor) -> None:
+        """Restrict proposals to these target token ids (sorted, unique; stored with the weights)."""
+        ids = torch.as_tensor(ids, dtype=torch.long).flatten()
+        if len(ids) == 0 or len(ids) >= self.config.vocab_size:
+            raise ValueError(f"a draft vocabulary has 1 to {self.config.vocab_size - 1} ids, not {len(ids)}")
+        self.config.draft_vocab_size = len(ids)
+        self.register_buffer("draft_vocab", ids.to(self.fc.weight.device))
+
+    def vocab_rows(self, labels: torch.Tensor) -> torch.Tensor:
+        """Target token ids → rows of `head_rows` (−1 where a label is outside the draft vocabulary)."""
+        if self.draft_vocab is None:
+            return labels
+        row = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=labels.device)
+        row[self.draft_vocab.to(labels.device)] = torch.arange(len(self.draft_vocab), device=labels.device)
+        return row[labels]
+
+    def head_rows(self, head: torch.Tensor) -> torch.Tensor:
+        """The rows of the target's LM head weight [V, D] this drafter proposes from: [K, D], or all."""
+        return head if self.draft_vocab is None else head.index_select(0, self.draft_vocab.to(head.device))
+
+    def propose(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        """Greedy proposals [Q] for hidden rows [Q, D] through the target's LM head (restricted, if set)."""
+        if self.draft_vocab is None:
+            return lm_head(hidden).argmax(-1)
+        bias = getattr(lm_head, "bias", None)
+        logits = F.linear(hidden, self.head_rows(lm_head.weight), None if bias is None else bias[self.draft_vocab])
+        return self.draft_vocab[logits.argmax(-1)]
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         return self.hidden_norm(self.fc(features))  # [C, k·D] → [C, D]

@@ -72,6 +72,9 @@ def build(cfg: Config, device: str) -> tuple[Target, DFlashDrafter, Any]:
     tok = load_tokenizer(cfg.model.target)
     lm = load_causal_lm(cfg.model.target, device=device)
     n = lm.config.num_hidden_layers
+    if not 0 <= t.draft_vocab < lm.config.vocab_size:
+        raise ValueError(f"trainer.draft_vocab = {t.draft_vocab}: 0 (off) or fewer than the target's "
+                         f"{lm.config.vocab_size} ids")
     ids = list(t.target_layer_ids) or feature_layer_ids(n, t.num_feature_layers)
     drafter = DFlashDrafter.for_target(lm.config, num_layers=t.num_layers, block_size=t.block_size, layer_ids=ids,
                                        mask_token_id=resolve_mask_token_id(tok, lm.config.vocab_size))
@@ -82,13 +85,24 @@ def build(cfg: Config, device: str) -> tuple[Target, DFlashDrafter, Any]:
 
 
 def autocast_dtype(setting: str, device: torch.device) -> torch.dtype | None:
-    """bf16 autocast for the drafter: always on GPU, on CPU where matmuls have bf16 units (AMX /
-    AVX512-BF16, ~3× fp32 there); `trainer.autocast = "off"` keeps fp32, "bf16" forces it."""
+    """bf16 autocast (the drafter's, or the target's training forward): "auto" on GPU, and on CPU where
+    matmuls have bf16 units (AMX / AVX512-BF16, ~3× fp32 there; AVX2-only CPUs emulate bf16, ~7×
+    slower than fp32); "off" keeps fp32, "bf16" forces it."""
     if setting == "off":
         return None
     if setting == "bf16" or device.type == "cuda":
         return torch.bfloat16
     return torch.bfloat16 if device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported() else None
+
+
+def draft_vocab_ids(samples: list[TokenizedSample], size: int, vocab_size: int) -> torch.Tensor:
+    """The `size` ids most frequent among the supervised tokens (ties to the lower id), sorted."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for s in samples:
+        ids = torch.tensor(s.input_ids, dtype=torch.long)[torch.tensor(s.loss_mask, dtype=torch.bool)]
+        counts.index_add_(0, ids, torch.ones_like(ids))
+    order = torch.sort(-counts, stable=True).indices
+    return torch.sort(order[:size]).values
 
 
 def sequence_loss(target: Target, drafter: DFlashDrafter, sample: TokenizedSample, anchors_n: int, seed: int,
@@ -109,10 +123,17 @@ def sequence_loss(target: Target, drafter: DFlashDrafter, sample: TokenizedSampl
     with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
         emb = target.embed(b.block_ids.to(device))
         hidden = drafter(emb, feats, b.q_pos.to(device), torch.arange(len(ids), device=device), b.mask.to(device))
-    head = target.head_weight(amp or hidden.dtype)
+    head = drafter.head_rows(target.head_weight(amp or hidden.dtype))
     w = b.weights.to(device)
     keep = torch.nonzero(w > 0).flatten()
-    total, hits = head_cross_entropy(hidden[keep].to(head.dtype), head, b.labels.to(device)[keep], w[keep], chunk)
+    rows = drafter.vocab_rows(b.labels.to(device)[keep])
+    if drafter.draft_vocab is None:
+        total, hits = head_cross_entropy(hidden[keep].to(head.dtype), head, rows, w[keep], chunk)
+    else:  # labels outside the draft vocabulary cannot be proposed: out of the loss, counted as misses
+        inside = rows >= 0
+        total, hits_in = head_cross_entropy(hidden[keep[inside]].to(head.dtype), head, rows[inside],
+                                            w[keep[inside]], chunk)
+        hits = torch.zeros(len(keep), dtype=torch.bool, device=device).masked_scatter_(inside, hits_in)
     slot = (keep % c.block_size).cpu()
     stats["hits"].index_add_(0, slot, hits.float().cpu())
     stats["counts"].index_add_(0, slot, torch.ones(len(slot)))
@@ -132,6 +153,7 @@ class Trainer:
         self.target, self.drafter, self.tok = build(cfg, dev)
         t = cfg.trainer
         self.amp = autocast_dtype(t.autocast, torch.device(dev))
+        self.target_amp = autocast_dtype(t.target_autocast, torch.device(dev))
         self.opt = torch.optim.AdamW(self.drafter.parameters(), lr=t.lr, weight_decay=t.weight_decay)
         self.step = 0
         self.total_steps = 0
@@ -208,6 +230,8 @@ class Trainer:
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 self.store.get_file(key, dest)
             loaded = DFlashDrafter.load(tmp / "drafter")
+            if loaded.draft_vocab is not None:
+                self.drafter.set_draft_vocab(loaded.draft_vocab)
             self.drafter.load_state_dict(loaded.state_dict())
             state = torch.load(tmp / "state.pt", weights_only=False)
         finally:
@@ -284,7 +308,8 @@ class Trainer:
         if weight_sum > 0:
             for mb in micro[self.dist.rank::self.dist.world]:
                 t1 = time.perf_counter()  # the micro-batch's target forward, batched
-                with torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16, enabled=t.target_autocast == "bf16"):
+                with torch.autocast(torch.device(self.device).type, dtype=self.target_amp or torch.float32,
+                                    enabled=self.target_amp is not None):
                     feats = self.target.features_many([torch.tensor(s.input_ids[: t.max_length], device=self.device)
                                                        for _, s in mb])
                 stats["target_s"] += time.perf_counter() - t1
@@ -332,6 +357,9 @@ class Trainer:
                     raise RuntimeError(f"run {self.run}: tokenized shards hold no trainable sample")
                 self.cursor = Cursor(epoch=0, position=0, keys=keys, shards=self.cursor.shards)
                 self.total_steps = self._plan_total(samples)
+                if t.draft_vocab:  # from the data at the start, the same on every rank; kept in checkpoints
+                    self.drafter.set_draft_vocab(draft_vocab_ids(samples, t.draft_vocab, self.drafter.config.vocab_size))
+                    log.info("draft vocabulary: %d ids", t.draft_vocab)
                 self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(self.total_steps, t.warmup_ratio))
             order = epoch_order(len(samples), t.seed, self.cursor.epoch)
             while self.step < self.total_steps and not self.out_of_time() and \
