@@ -23,11 +23,24 @@ from shared.stack import EmbeddedStack, Ports  # noqa: E402
 
 
 @contextlib.contextmanager
-def bench_stack() -> Iterator[EmbeddedStack]:
-    os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench" + secrets.token_hex(4))
-    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", secrets.token_urlsafe(24))
-    with tempfile.TemporaryDirectory(prefix="dflash-bench-") as root:
-        stack = EmbeddedStack(Path(root), Ports.free())
+def bench_stack(keep: Path | None = None) -> Iterator[EmbeddedStack]:
+    """An embedded stack in a temporary folder, or in `keep` (made if missing, left in place) so that
+    a later call picks up its streams and objects (with the same credentials, kept there 0600)."""
+    creds = {"AWS_ACCESS_KEY_ID": "bench" + secrets.token_hex(4), "AWS_SECRET_ACCESS_KEY": secrets.token_urlsafe(24)}
+    if keep is not None:
+        keep.mkdir(parents=True, exist_ok=True)
+        saved = keep / "credentials.json"
+        if saved.exists():
+            creds = json.loads(saved.read_text())
+        else:
+            saved.touch(mode=0o600)
+            saved.write_text(json.dumps(creds))
+        os.environ.update(creds)
+    for k, v in creds.items():
+        os.environ.setdefault(k, v)
+    with tempfile.TemporaryDirectory(prefix="dflash-bench-") as tmp:
+        root = keep or Path(tmp)
+        stack = EmbeddedStack(root, Ports.free())
         stack.start()
         try:
             yield stack

@@ -1,24 +1,33 @@
 """Drafter quality: τ on held-out prompts after at most 30 minutes of training on these machines.
 
 The whole pipeline on its own embedded stack (`dflash run` with bench/quality.toml): SmolLM2-135M-
-Instruct regenerates its answers to the bundled prompts, the tokenizer builds samples, the trainer
+Instruct regenerates its answers to QUALITY_PROMPTS prompts (the bundled 350 and more of the same
+kinds, bench/quality_prompts.py), the tokenizer builds samples, the trainer
 trains a block-size-8 drafter for at most `trainer.max_train_s` (1800 s), and `dflash eval` decodes
 held-out prompts speculatively (greedy, checked lossless against plain greedy). Target: τ ≥ 2.0.
 Writes bench/results/train_quality.json.
+
+`--dir D --run R` keeps the stack in D; with `--no-train` the call stops after tokenization, and a
+later call with the same D and R resumes the run there (generation is not repeated), so the data
+can be regenerated once and trained on under another trainer config.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import msgspec
 from common import ROOT, bench_config, bench_stack, table, write_result
+from quality_prompts import quality_prompts
 
 CONFIG = ROOT / "bench" / "quality.toml"
+PROMPTS = int(os.environ.get("QUALITY_PROMPTS", "1500"))
 
 
 async def figures(cfg) -> dict:
@@ -49,16 +58,27 @@ def main() -> int:
     from shared.messages import EvalReport
     from shared.store import Keys, Store
 
-    with bench_stack() as stack:
-        run = f"quality{int(time.time()) % 100000}"
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dir", type=Path, default=None, help="keep the stack here (default: a temp dir)")
+    ap.add_argument("--run", default=None, help="run name (default: a new one)")
+    ap.add_argument("--no-train", action="store_true", help="stop after tokenization")
+    args = ap.parse_args()
+    with bench_stack(args.dir) as stack:
+        run = args.run or f"quality{int(time.time()) % 100000}"
         env = {**os.environ, **stack.env(), "DFLASH_DATA_DIR": str(stack.root), "DFLASH_MODEL__DEVICE": "cpu"}
-        log = ROOT / "bench" / "results" / "train_quality.log"
+        log = ROOT / "bench" / "results" / f"train_quality{'-generate' if args.no_train else ''}.log"
+        prompts = stack.root / "prompts.jsonl"
+        prompts.write_text("".join(msgspec.json.encode(o).decode() + "\n" for o in quality_prompts(PROMPTS)))
         t0 = time.monotonic()
-        with log.open("w") as out:
+        with log.open("a") as out:
             rc = subprocess.call([sys.executable, "-m", "shared.cli", "--config", str(CONFIG), "run",
-                                  "--prompts", str(ROOT / "services/pipeline/data/prompts.jsonl"), "--run", run,
-                                  "--no-dashboard", "--plain"], env=env, stdout=out, stderr=subprocess.STDOUT)
+                                  "--prompts", str(prompts), "--run", run, "--no-dashboard", "--plain",
+                                  *(["--no-train"] if args.no_train else [])],
+                                 env=env, stdout=out, stderr=subprocess.STDOUT)
         total_s = time.monotonic() - t0
+        if args.no_train:
+            print(f"generated and tokenized run {run} in {stack.root} ({total_s:.0f} s, exit {rc})")
+            return rc
         base = load_config(CONFIG, env={})
         cfg = bench_config(stack, run, trainer=msgspec.to_builtins(base.trainer))
         f = asyncio.run(figures(cfg))
@@ -67,8 +87,9 @@ def main() -> int:
             if store.exists(Keys.eval_report(run)) else None
     t = base.trainer
     result = {
-        "dflash_run_exit": rc, "total_s": round(total_s, 1), "block_size": t.block_size, "drafter_layers": t.num_layers,
-        "train_budget_s": t.max_train_s, **f,
+        "dflash_run_exit": rc, "total_s": round(total_s, 1), "prompts": PROMPTS, "block_size": t.block_size, "drafter_layers": t.num_layers,
+        "drafter_init": t.init, "target_autocast": t.target_autocast, "token_budget": t.token_budget,
+        "anchors_per_sequence": t.anchors_per_sequence, "draft_vocab": t.draft_vocab, "lr": t.lr, "train_budget_s": t.max_train_s, **f,
         "eval_prompts": report.prompts if report else 0, "tau": round(report.tau, 3) if report else None,
         "acceptance_histogram": report.acceptance_histogram if report else None,
         "speedup": round(report.speedup, 3) if report else None, "lossless": report.lossless if report else None,

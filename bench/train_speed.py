@@ -4,8 +4,10 @@ optimizer) vs tokens/s of the target forward alone, on the same sequences, alter
 Real SmolLM2-135M-Instruct target, real tokenized samples (SmolLM2 chat template), CPU. Both sides
 run the target as the trainer does (one batched forward per micro-batch, fp32, stopped after the
 deepest feature layer); the training side adds the drafter with the trainer's autocast setting
-("auto": bf16 where the CPU has bf16 matmul units). Two drafter shapes: the production default
-(B=16, 5 layers, 512 anchors) and the CPU demo (B=8, 1 layer, 64 anchors). Target: ratio ≥ 0.5.
+("auto": bf16 where the CPU has bf16 matmul units). Drafter shapes: the production default
+(B=16, 5 layers, 512 anchors), the CPU demo (B=8, 1 layer, 64 anchors) and bench/quality.toml's
+(B=8, 2 layers, 64 anchors), each with the whole vocabulary and with an 8192-id draft vocabulary
+(`trainer.draft_vocab`; which ids does not change the cost). Target: ratio ≥ 0.5.
 Writes bench/results/train_speed.json.
 """
 
@@ -20,7 +22,11 @@ from common import ROOT, table, write_result
 
 ROUNDS = int(os.environ.get("BENCH_TRAIN_ROUNDS", "3"))
 SEQUENCES = int(os.environ.get("BENCH_TRAIN_SEQUENCES", "8"))
-SHAPES = {"default (B=16, 5 layers, 512 anchors)": (16, 5, 512), "demo (B=8, 1 layer, 64 anchors)": (8, 1, 64)}
+SHAPES = {"default (B=16, 5 layers, 512 anchors)": (16, 5, 512, 0),
+          "default, draft vocab 8192": (16, 5, 512, 8192),
+          "demo (B=8, 1 layer, 64 anchors)": (8, 1, 64, 0),
+          "demo, draft vocab 8192": (8, 1, 64, 8192),
+          "quality.toml (B=8, 2 layers, 64 anchors, draft vocab 8192)": (8, 2, 64, 8192)}
 ANSWER = ("Here is a careful answer. First, consider what the question asks and which facts matter. "
           "Then work through the steps one at a time, checking each against what is known. ") * 4
 
@@ -43,7 +49,7 @@ def main() -> int:
 
     from services.trainer.features import Target
     from services.trainer.model import DFlashDrafter, feature_layer_ids, resolve_mask_token_id
-    from services.trainer.train import autocast_dtype, sequence_loss
+    from services.trainer.train import autocast_dtype, draft_vocab_ids, sequence_loss
     from shared.config import load_config
     from shared.model import load_causal_lm, load_tokenizer
 
@@ -56,9 +62,11 @@ def main() -> int:
     tokens = sum(s.num_tokens for s in seqs)
     amp = autocast_dtype(cfg.trainer.autocast, torch.device("cpu"))
     rows, results = [("drafter", "target tok/s", "train tok/s", "ratio")], {}
-    for name, (B, layers, anchors) in SHAPES.items():
+    for name, (B, layers, anchors, draft_vocab) in SHAPES.items():
         drafter = DFlashDrafter.for_target(lm.config, num_layers=layers, block_size=B, layer_ids=ids,
                                            mask_token_id=resolve_mask_token_id(tok, lm.config.vocab_size))
+        if draft_vocab:
+            drafter.set_draft_vocab(draft_vocab_ids(seqs, draft_vocab, lm.config.vocab_size))
         opt = torch.optim.AdamW(drafter.parameters(), lr=6e-4, weight_decay=0.0)
         t_target = t_train = 0.0
         for r in range(ROUNDS + 1):  # round 0 warms up
@@ -78,7 +86,8 @@ def main() -> int:
                 t_target += dt_target
                 t_train += dt_train
         target_tps, train_tps = ROUNDS * tokens / t_target, ROUNDS * tokens / t_train
-        results[name] = {"block_size": B, "layers": layers, "anchors": anchors, "target_tokens_per_s": round(target_tps, 1),
+        results[name] = {"block_size": B, "layers": layers, "anchors": anchors, "draft_vocab": draft_vocab,
+                         "target_tokens_per_s": round(target_tps, 1),
                          "train_tokens_per_s": round(train_tps, 1), "ratio": round(train_tps / target_tps, 3),
                          "met": train_tps / target_tps >= 0.5}
         rows.append((name, f"{target_tps:.0f}", f"{train_tps:.0f}", f"{train_tps / target_tps:.2f}"))
