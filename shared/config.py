@@ -145,6 +145,9 @@ class TrainerConfig(Section):
     # "random" as the paper; "target" starts the drafter from the target's layers above the deepest
     # feature layer (DFlashDrafter.init_from_target), which learns faster in short runs.
     init: Literal["random", "target"] = "random"
+    # false: each slot's label is the regenerated token (the paper); true: the target's whole next-token
+    # distribution there (EAGLE's soft labels), from a forward run to the top; the argmax is the same token.
+    soft_labels: bool = False
     seed: int = 0
     holdout_mod: int = 20  # every 20th prompt (by id hash) is held out of training for `dflash eval`
     progress_every: int = 1  # steps between TrainerProgress events

@@ -94,6 +94,31 @@ def test_fused_head_loss_matches_autograd_cross_entropy(dtype: torch.dtype) -> N
         head_cross_entropy(hidden, head.clone().requires_grad_(), labels, w)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_head_loss_with_soft_labels_matches_autograd(dtype: torch.dtype) -> None:
+    """Against the teacher's distribution softmax(teacher·headᵀ): Σ w·(−Σ q log p), its gradient w·(p − q)."""
+    from services.trainer.loss import head_cross_entropy
+
+    g = torch.Generator().manual_seed(1)
+    head = (torch.randn(1000, 64, generator=g) * 0.3).to(dtype)
+    labels, w = torch.randint(0, 1000, (37,), generator=g), torch.rand(37, generator=g)
+    teacher = torch.randn(37, 64, generator=g).to(dtype)
+    hidden = torch.randn(37, 64, generator=g).to(dtype).requires_grad_()
+    loss, hits = head_cross_entropy(hidden, head, labels, w, chunk=8, teacher=teacher)
+    loss.backward()
+    fused_grad, hidden.grad = hidden.grad.clone(), None
+    logits = (hidden @ head.T).float()
+    q = (teacher @ head.T).float().softmax(-1)
+    ref = (-(q * logits.log_softmax(-1)).sum(-1) * w).sum()
+    ref.backward()
+    assert float(loss.detach()) == pytest.approx(float(ref.detach()), rel=1e-5 if dtype == torch.float32 else 1e-3)
+    tol = 1e-6 if dtype == torch.float32 else 1e-3
+    assert torch.allclose(fused_grad.float(), hidden.grad.float(), atol=tol, rtol=tol)
+    assert torch.equal(hits, logits.argmax(-1) == labels)  # accuracy stays against the label token
+    same, _ = head_cross_entropy(hidden.detach(), head, labels, w, chunk=8)
+    assert float(same) != pytest.approx(float(loss.detach()))  # the teacher did change the loss
+
+
 def test_feature_layers_follow_the_papers_rule() -> None:
     assert feature_layer_ids(36, 5) == [1, 9, 17, 25, 33]
     assert feature_layer_ids(30, 5) == [1, 8, 14, 21, 27]  # SmolLM2-135M
@@ -112,6 +137,33 @@ def test_target_features_are_layer_outputs_without_shift(target_dir: Path) -> No
     D = lm.config.hidden_size
     assert feats.shape == (5, 2 * D)
     assert torch.equal(feats[:, :D], ref[2][0]) and torch.equal(feats[:, D:], ref[9][0])
+    # soft labels: the same features, and the final normed hidden state (the LM head's input), batched
+    [(f1, top1), (f2, top2)] = target.features_and_final_many([ids, ids[:3]])
+    assert torch.allclose(f1, feats, atol=1e-5) and torch.allclose(f2, feats[:3], atol=1e-5)
+    assert torch.allclose(top1, ref[-1][0], atol=1e-5) and torch.allclose(top2, ref[-1][0, :3], atol=1e-5)
+
+
+def test_soft_labels_are_the_targets_own_next_token_distribution(target_dir: Path) -> None:
+    """On the target's own greedy answer, the teacher state picked for every labelled slot must put its
+    argmax on that slot's label: the final state one position *before* the slot."""
+    from services.trainer.blocks import label_states
+    from services.trainer.features import Target
+    from shared.model import load_causal_lm, load_tokenizer
+
+    lm, tok = load_causal_lm(str(target_dir)), load_tokenizer(str(target_dir))
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Name three colours."}], add_generation_prompt=True,
+                                     return_tensors="pt", return_dict=True)["input_ids"]
+    ids = lm.generate(prompt, max_new_tokens=16, do_sample=False)[0]
+    mask = torch.zeros(len(ids), dtype=torch.long)
+    mask[prompt.shape[1]:] = 1
+    target = Target(lm, feature_layer_ids(lm.config.num_hidden_layers, 5))
+    [(_, final)] = target.features_and_final_many([ids])
+    b = make_blocks(ids, mask, candidate_anchors(mask), 4, 0)
+    keep = b.weights > 0
+    teacher = label_states(final, b.q_pos[keep])
+    assert keep.sum() > 20
+    assert torch.equal((teacher @ lm.lm_head.weight.T).argmax(-1), b.labels[keep])
+    assert not torch.equal((final[b.q_pos[keep]] @ lm.lm_head.weight.T).argmax(-1), b.labels[keep])  # no shift: wrong
 
 
 def test_target_init_starts_from_the_layers_above_the_deepest_feature(target_dir: Path) -> None:

@@ -68,6 +68,12 @@ def make_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch
                   mask=torch.cat([ctx_ok, blk_ok], 1), labels=labels.flatten(), weights=weights.flatten())
 
 
+def label_states(final: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
+    """For soft labels: the target's final hidden state whose next-token distribution labels each slot,
+    the one *before* the slot's position (a causal LM's output at p − 1 predicts token p). [S, D] → [n, D]."""
+    return final[q_pos - 1]
+
+
 def estimated_tau(position_accuracy: list[float]) -> float:
     """Expected tokens per cycle if slot k is right with probability acc_k given the earlier ones were:
     1 (the bonus) + Σ_k Π_{j≤k} acc_j."""

@@ -3,7 +3,9 @@
 The training forward stops after the deepest chosen layer: the layers above it and the LM head
 would only be thrown away (on SmolLM2 with the paper's layers that is 2 of 30 layers and a
 576×49,152 head per token). It runs the decoder stack of any HF causal LM and catches each chosen
-layer's output with a forward hook, so it needs no model-specific code.
+layer's output with a forward hook, so it needs no model-specific code. For soft labels (`trainer.soft_labels`) it runs to the top instead
+and also returns the final (normed) hidden state, whose product with the LM head is the target's
+next-token distribution.
 """
 
 from __future__ import annotations
@@ -48,44 +50,52 @@ class Target:
     @torch.no_grad()
     def features(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[S] ids → [S, k·D]: the *output* of each chosen layer l, i.e. HF hidden_states[l + 1]. No shift."""
-        return self._features(input_ids[None])[0]
+        return self._features(input_ids[None], final=False)[0][0]
 
     @torch.no_grad()
     def features_many(self, sequences: list[torch.Tensor]) -> list[torch.Tensor]:
         """Several sequences in one forward (bigger matmuls): right-padded, and since attention is causal
         a sequence's positions never see the padding after it, so no attention mask is needed."""
-        if len(sequences) == 1:
-            return [self.features(sequences[0])]
+        return [f for f, _ in self._many(sequences, final=False)]
+
+    @torch.no_grad()
+    def features_and_final_many(self, sequences: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """As features_many, each with the final normed hidden state [S, D] (the LM head's input)."""
+        return self._many(sequences, final=True)
+
+    def _many(self, sequences: list[torch.Tensor], final: bool) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         width = max(len(s) for s in sequences)
         batch = torch.zeros(len(sequences), width, dtype=torch.long, device=sequences[0].device)
         for i, s in enumerate(sequences):
             batch[i, : len(s)] = s
-        feats = self._features(batch)
-        return [feats[i, : len(s)] for i, s in enumerate(sequences)]
+        feats, top = self._features(batch, final)
+        return [(feats[i, : len(s)], None if top is None else top[i, : len(s)]) for i, s in enumerate(sequences)]
 
     def pick(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """HF's hidden_states tuple → the chosen layers' outputs, concatenated: [..., S, k·D]."""
         return torch.cat([hidden_states[layer + 1] for layer in self.layer_ids], -1)
 
-    def _features(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """[N, S] → [N, S, k·D]."""
+    def _features(self, input_ids: torch.Tensor, final: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[N, S] → [N, S, k·D], and the final normed hidden state [N, S, D] if `final`."""
         if self.layers is None:
-            return self.pick(self.model(input_ids=input_ids, output_hidden_states=True, use_cache=False).hidden_states)
+            hs = self.model(input_ids=input_ids, output_hidden_states=True, use_cache=False).hidden_states
+            return self.pick(hs), hs[-1] if final else None
         caught: dict[int, torch.Tensor] = {}
         last = max(self.layer_ids)
 
         def hook(index: int):
             def grab(_module, _args, output):
                 caught[index] = output[0] if isinstance(output, tuple) else output
-                if index == last:
+                if index == last and not final:
                     raise _Enough
             return grab
 
         handles = [self.layers[i].register_forward_hook(hook(i)) for i in sorted(set(self.layer_ids))]
+        top = None
         try:
             with contextlib.suppress(_Enough):
-                self.decoder(input_ids=input_ids, use_cache=False)
+                top = self.decoder(input_ids=input_ids, use_cache=False).last_hidden_state
         finally:
             for h in handles:
                 h.remove()
-        return torch.cat([caught[layer] for layer in self.layer_ids], -1)
+        return torch.cat([caught[layer] for layer in self.layer_ids], -1), top

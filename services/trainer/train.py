@@ -31,7 +31,7 @@ from shared.messages import Subjects, TrainerProgress
 from shared.records import TokenizedSample
 from shared.store import Keys, Store
 
-from .blocks import estimated_tau, make_blocks, sample_anchors
+from .blocks import estimated_tau, label_states, make_blocks, sample_anchors
 from .data import ShardFeed, epoch_order, load_samples
 from .dist import Dist
 from .features import Target
@@ -107,10 +107,11 @@ def draft_vocab_ids(samples: list[TokenizedSample], size: int, vocab_size: int) 
 
 def sequence_loss(target: Target, drafter: DFlashDrafter, sample: TokenizedSample, anchors_n: int, seed: int,
                   step: int, index: int, max_length: int, chunk: int, scale: float, stats: dict,
-                  amp: torch.dtype | None, feats: torch.Tensor) -> None:
+                  amp: torch.dtype | None, feats: torch.Tensor, final: torch.Tensor | None = None) -> None:
     """Drafter forward + backward of one sequence's blocks; adds to stats (loss numerator, per-slot hits).
     `feats` [S, k·D] come from the caller's batched target forward (in the target's dtype, fp32 on
-    CPU); `amp` autocasts the drafter, and the head runs in that dtype."""
+    CPU); `amp` autocasts the drafter, and the head runs in that dtype. With the target's final hidden
+    states `final` [S, D], each label is the target's distribution at the position before it."""
     c = drafter.config
     device = next(drafter.parameters()).device
     ids = torch.tensor(sample.input_ids[:max_length], dtype=torch.long)
@@ -127,12 +128,13 @@ def sequence_loss(target: Target, drafter: DFlashDrafter, sample: TokenizedSampl
     w = b.weights.to(device)
     keep = torch.nonzero(w > 0).flatten()
     rows = drafter.vocab_rows(b.labels.to(device)[keep])
+    teacher = None if final is None else label_states(final, b.q_pos.to(device)[keep])
     if drafter.draft_vocab is None:
-        total, hits = head_cross_entropy(hidden[keep].to(head.dtype), head, rows, w[keep], chunk)
+        total, hits = head_cross_entropy(hidden[keep].to(head.dtype), head, rows, w[keep], chunk, teacher)
     else:  # labels outside the draft vocabulary cannot be proposed: out of the loss, counted as misses
         inside = rows >= 0
         total, hits_in = head_cross_entropy(hidden[keep[inside]].to(head.dtype), head, rows[inside],
-                                            w[keep[inside]], chunk)
+                                            w[keep[inside]], chunk, None if teacher is None else teacher[inside])
         hits = torch.zeros(len(keep), dtype=torch.bool, device=device).masked_scatter_(inside, hits_in)
     slot = (keep % c.block_size).cpu()
     stats["hits"].index_add_(0, slot, hits.float().cpu())
@@ -310,12 +312,13 @@ class Trainer:
                 t1 = time.perf_counter()  # the micro-batch's target forward, batched
                 with torch.autocast(torch.device(self.device).type, dtype=self.target_amp or torch.float32,
                                     enabled=self.target_amp is not None):
-                    feats = self.target.features_many([torch.tensor(s.input_ids[: t.max_length], device=self.device)
-                                                       for _, s in mb])
+                    seqs = [torch.tensor(s.input_ids[: t.max_length], device=self.device) for _, s in mb]
+                    feats = self.target.features_and_final_many(seqs) if t.soft_labels else \
+                        [(f, None) for f in self.target.features_many(seqs)]
                 stats["target_s"] += time.perf_counter() - t1
-                for (pos, s), f in zip(mb, feats, strict=True):
+                for (pos, s), (f, final) in zip(mb, feats, strict=True):
                     sequence_loss(self.target, self.drafter, s, t.anchors_per_sequence, t.seed, self.step, pos,
-                                  t.max_length, t.logits_chunk, 1.0 / weight_sum, stats, self.amp, f)
+                                  t.max_length, t.logits_chunk, 1.0 / weight_sum, stats, self.amp, f, final)
             self.dist.sum_grads(list(self.drafter.parameters()))
             torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), t.grad_clip)
             self.opt.step()
