@@ -518,10 +518,43 @@ class ProgressLoop:
         await self.publish_now()
 
 
-def install_stop_signals(stop: asyncio.Event) -> None:
-    """SIGTERM and SIGINT set `stop`: services stop fetching, finish in-flight work, drain, exit 0."""
+def install_stop_signals(stop: asyncio.Event, *, report_after_s: float = 45.0) -> None:
+    """SIGTERM and SIGINT set `stop`: services stop fetching, finish in-flight work, drain, exit 0.
+
+    A shutdown still running `report_after_s` later logs what every task waits on (and faulthandler
+    dumps the threads', which also fires when the event loop itself is blocked), so a process that
+    will not stop says where. A second signal exits at once: nothing is lost, since every message is
+    acked only after its output was written; the unacked ones come back after their ack_wait.
+    """
+    import faulthandler
     import signal
 
     loop = asyncio.get_running_loop()
+
+    def on_signal(sig: signal.Signals) -> None:
+        if stop.is_set():
+            log.warning("second %s: exiting without draining (unacked messages are redelivered)", sig.name)
+            os._exit(128 + sig.value)
+        stop.set()
+        loop.call_later(report_after_s, _report_stuck_shutdown, report_after_s)
+        faulthandler.dump_traceback_later(report_after_s + 5, exit=False)
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal, sig)
+
+
+def _report_stuck_shutdown(after_s: float) -> None:
+    waiting = [t for t in asyncio.all_tasks() if not t.done()]
+    stacks = "\n".join(f"  {t.get_name()}: " + " → ".join(_await_chain(t.get_coro())) for t in waiting)
+    log.warning("still shutting down %gs after the stop signal; %d tasks waiting:\n%s", after_s, len(waiting), stacks)
+
+
+def _await_chain(coro: Any) -> list[str]:
+    """A task's whole await chain, outermost first (Task.get_stack shows only its own coroutine)."""
+    out = []
+    while coro is not None:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None) or getattr(coro, "ag_frame", None)
+        if frame is not None:
+            out.append(f"{frame.f_code.co_name} ({os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno})")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None) or getattr(coro, "ag_await", None)
+    return out

@@ -156,3 +156,47 @@ async def test_in_flight_work_is_requeued_on_shutdown(cfg, bus):
 def test_each_stage_has_its_own_durable(stage):
     spec = consumer_for(stage, "r1")
     assert spec.durable == f"{stage}-r1" and spec.filter_subject.startswith("dflash.r1.")
+
+
+STUCK_SERVICE = """
+import asyncio, logging, sys
+from shared.bus import install_stop_signals
+
+async def never_finishes_its_drain():
+    await asyncio.Event().wait()
+
+async def main():
+    stop = asyncio.Event()
+    install_stop_signals(stop, report_after_s=0.5)
+    print("ready", flush=True)
+    await stop.wait()
+    await never_finishes_its_drain()
+
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+asyncio.run(main())
+"""
+
+
+def test_a_stuck_shutdown_says_where_and_a_second_signal_exits() -> None:
+    """A service that does not stop after SIGTERM logs the stacks it waits in; a second SIGTERM ends it."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-c", STUCK_SERVICE], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(2.0)
+        assert proc.poll() is None  # stuck, as written
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 128 + signal.SIGTERM
+        err = proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "still shutting down 0.5s after the stop signal" in err, err
+    assert "never_finishes_its_drain" in err, err  # the waiting task's own frame
+    assert "second SIGTERM: exiting without draining" in err, err
