@@ -122,14 +122,14 @@ def main() -> int:
         """Only `build` is timed. Outputs are kept compactly outside the timed part: the service writes each
         shard and lets it go, and 20,000 samples as Python lists would slow the collector for everyone."""
         builder = SampleBuilder(tok, cfg)
-        seen: set[str] = set()
+        seen: dict[str, int] = {}
         samples, dropped, drift, seconds = {}, {}, 0, 0.0
         gc.collect()
         for i in range(0, len(records), SHARD):
             t0 = time.perf_counter()
             built = builder.build(records[i:i + SHARD], seen=seen)
             seconds += time.perf_counter() - t0
-            seen.update(s.prompt_id for s in built.samples)
+            seen.update((s.prompt_id, s.generation) for s in built.samples)
             for s in built.samples:
                 samples[s.prompt_id] = (array("i", s.input_ids), bytes(s.loss_mask))
             drift += built.drift

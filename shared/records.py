@@ -142,6 +142,7 @@ class TokenizedSample(msgspec.Struct, kw_only=True):
     num_tokens: int
     num_supervised: int
     truncated: bool = False  # cut to max_length by the tokenizer
+    generation: int = 0  # the completion's (a deliberate regeneration's sample replaces the older one)
 
     def __post_init__(self) -> None:
         if len(self.input_ids) != len(self.loss_mask):
@@ -155,6 +156,7 @@ SAMPLE_SCHEMA = pa.schema([
     ("num_tokens", pa.int32()),
     ("num_supervised", pa.int32()),
     ("truncated", pa.bool_()),
+    ("generation", pa.int32()),
 ])
 
 
@@ -165,29 +167,36 @@ def samples_to_parquet(samples: list[TokenizedSample]) -> bytes:
 
 def read_samples(data: bytes) -> list[TokenizedSample]:
     table = _read_table(data, "tokenized shard")
-    return [msgspec.convert(row, TokenizedSample) for row in table.to_pylist()]
+    return [msgspec.convert({k: v for k, v in row.items() if v is not None}, TokenizedSample)
+            for row in table.to_pylist()]  # shards written before the generation column read as generation 0
 
 
-def read_sample_ids(data: bytes) -> list[str]:
-    """Only the prompt_id column of a tokenized shard (cheap: the id lists are not decoded)."""
+def read_sample_generations(data: bytes) -> list[tuple[str, int]]:
+    """(prompt_id, generation) of each row of a tokenized shard (cheap: the id lists are not decoded)."""
     try:
-        return pq.read_table(io.BytesIO(data), columns=["prompt_id"]).column("prompt_id").to_pylist()
+        pf = pq.ParquetFile(io.BytesIO(data))
+        table = pf.read(columns=[c for c in ("prompt_id", "generation") if c in pf.schema_arrow.names])
     except (pa.ArrowInvalid, OSError, KeyError) as e:
         raise RecordError(f"not a readable Parquet tokenized shard: {e}") from None
+    ids = table.column("prompt_id").to_pylist()
+    gens = table.column("generation").to_pylist() if "generation" in table.column_names else [0] * len(ids)
+    return [(pid, g or 0) for pid, g in zip(ids, gens, strict=True)]
 
 
 def dedupe_samples(shards: Iterable[tuple[str, list[TokenizedSample]]]) -> dict[str, TokenizedSample]:
-    """One tokenized sample per prompt_id: the first by (shard key, row); input order does not matter.
+    """One tokenized sample per prompt_id, the first by (−generation, shard key, row) as for completions:
+    a deliberate regeneration's sample replaces the older one; input order does not matter.
 
-    The tokenizer already skips prompt_ids it emitted before, so a duplicate here comes only from two
-    tokenizer workers racing on two completion shards of the same prompt.
+    The tokenizer skips a prompt_id it emitted before unless the record is a newer generation, so
+    equal generations meet here only when two tokenizer workers raced on two shards of one prompt.
     """
-    best: dict[str, tuple[tuple[str, int], TokenizedSample]] = {}
+    best: dict[str, tuple[tuple[int, str, int], TokenizedSample]] = {}
     for key, samples in shards:
         for row, s in enumerate(samples):
+            rank = (-s.generation, key, row)
             cur = best.get(s.prompt_id)
-            if cur is None or (key, row) < cur[0]:
-                best[s.prompt_id] = ((key, row), s)
+            if cur is None or rank < cur[0]:
+                best[s.prompt_id] = (rank, s)
     return {pid: s for pid, (_, s) in best.items()}
 
 

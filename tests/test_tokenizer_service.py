@@ -215,6 +215,39 @@ async def test_normal_run_writes_one_loadable_deduped_shard_per_completion_shard
     assert not p.gate_tripped
 
 
+async def test_a_deliberate_regeneration_replaces_the_old_sample(stack, bus, store):
+    """`dflash replay generate --shard` re-queues prompts as generation ≥ 1: the tokenizer must emit their new
+    completions (not drop them as duplicates, even after a restart) and every reader must pick them."""
+    from services.trainer.data import load_samples
+
+    cfg = make_config(stack)
+    run = cfg.run
+    tok = await asyncio.to_thread(load_target_tokenizer, cfg)
+    await write_shard(bus, store, run, "gen-0", 0, [topic_record(run, i) for i in range(4)])
+    await burst(cfg, tok)
+    new_answer = TOPICS[5][1]
+    regen = topic_record(run, 1, generation=1)
+    regen.completion = new_answer
+    redelivered = topic_record(run, 2)  # the same generation again: still a duplicate
+    shard = await write_shard(bus, store, run, "gen-0", 1, [regen, redelivered])
+    service = await burst(cfg, tok)  # a fresh service: what it emitted before comes from S3
+    assert service.seen == {"p00000": 0, "p00001": 1, "p00002": 0, "p00003": 0}
+
+    event = next(e for e in await tokenized_events(bus, run) if e.source_key == shard.key)
+    assert (event.num_samples, event.dropped) == (1, {"duplicate": 1})
+    samples = load_samples(store, parquet_keys(store, run), holdout_mod=0, train=True)
+    assert [s.prompt_id for s in samples] == ["p00000", "p00001", "p00002", "p00003"]  # one each
+    newer = samples[1]
+    assert newer.generation == 1 and masked_text(tok, newer.input_ids, newer.loss_mask) == new_answer + tok.eos_token
+
+    # a third completion of generation 1 (the replay's message redelivered) is a duplicate again
+    again = topic_record(run, 1, generation=1)
+    shard = await write_shard(bus, store, run, "gen-1", 0, [again])
+    await burst(cfg, tok)
+    event = next(e for e in await tokenized_events(bus, run) if e.source_key == shard.key)
+    assert (event.num_samples, event.dropped) == (0, {"duplicate": 1})
+
+
 # --- the real incident -------------------------------------------------------------------------------
 
 

@@ -31,7 +31,7 @@ import msgspec
 from shared.bus import Bus
 from shared.config import Config, load_config
 from shared.messages import ShardWritten, Subjects, TokenizedShard
-from shared.records import dedupe_completions, read_completions, read_sample_ids
+from shared.records import dedupe_completions, read_completions, read_sample_generations
 from shared.stack import EmbeddedStack, Ports
 from shared.store import Store
 
@@ -278,16 +278,17 @@ class Chaos:
         f["tokenize dead letters"] = dead_tok
         if len(untokenized) > dead_tok:
             fail.append(f"{len(untokenized)} completion shards never tokenized: {sorted(untokenized)[:3]}")
-        ids: list[str] = []
+        rows: list[tuple[str, int]] = []  # (prompt_id, generation): a regeneration may add a newer one
         for key in sorted(newest):
-            ids += read_sample_ids(await asyncio.to_thread(store.get_bytes, key))
+            rows += read_sample_generations(await asyncio.to_thread(store.get_bytes, key))
+        ids = [pid for pid, _ in rows]
         dropped = Counter()
         for e in newest.values():
             dropped.update({k: v for k, v in e.dropped.items() if k != "duplicate"})
         f["tokenized samples"] = len(ids)
         f["tokenizer drops (reasons)"] = dict(dropped) or "none"
-        if len(ids) != len(set(ids)):
-            fail.append(f"tokenized dataset holds {len(ids) - len(set(ids))} prompts more than once")
+        if len(rows) != len(set(rows)):
+            fail.append(f"tokenized dataset holds {len(rows) - len(set(rows))} prompts more than once")
         if not set(ids) <= set(unique):
             fail.append("tokenized dataset holds prompts that have no completion")
         if dead_tok == 0 and len(set(ids)) + sum(dropped.values()) != len(unique):

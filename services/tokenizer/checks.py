@@ -5,7 +5,8 @@ Order (the first that applies is the reason): the generation was cut by max_new_
 thinking was on but the reasoning is empty (`empty_reasoning`), the sample does not fit the
 template (`render_mismatch`), fewer supervised tokens than `min_supervised_tokens`
 (`below_min_supervised`, the "OK." incident), the answer ends in a loop (`degenerate_repetition`).
-A prompt_id already emitted is `duplicate` (dedupe, not a quality problem: the gate ignores it).
+A prompt_id already emitted (at this generation or a newer one) is `duplicate` (dedupe, not a
+quality problem: the gate ignores it).
 """
 
 from __future__ import annotations

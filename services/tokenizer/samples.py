@@ -16,6 +16,7 @@ The fast path tokenizes every piece of a shard in one batched call of the fast t
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,14 +96,21 @@ class SampleBuilder:
     # --- building -------------------------------------------------------------------------------
 
     def build(
-        self, records: list[CompletionRecord], *, seen: set[str] | frozenset[str] = frozenset(), batched: bool = True,
+        self, records: list[CompletionRecord], *, seen: Mapping[str, int] | None = None, batched: bool = True,
     ) -> ShardSamples:
-        """Samples for one shard, in record order; `seen` are prompt_ids emitted before (dropped as duplicates)."""
+        """Samples for one shard, in record order. `seen` maps prompt_ids emitted before to the newest
+        generation emitted: a record of that generation or older is a duplicate, a newer one (a
+        deliberate regeneration) is a fresh sample that replaces it on read."""
         out = ShardSamples()
         keep = dedupe_completions([("", records)])
+        seen = seen or {}
+
+        def fresh(rec: CompletionRecord) -> bool:
+            return keep.get(rec.prompt_id) is rec and rec.generation > seen.get(rec.prompt_id, -1)
+
         plans: list[_Plan] = []
         for rec in records:
-            if keep.get(rec.prompt_id) is not rec or rec.prompt_id in seen:
+            if not fresh(rec):
                 out.drops.append(Drop(rec.prompt_id, checks.DUPLICATE, ""))
                 continue
             plan = self._plan(rec, out)
@@ -117,7 +125,7 @@ class SampleBuilder:
         reasons = {d.prompt_id: d.reason for d in out.drops if d.reason != checks.DUPLICATE}
         out.outcomes = [
             (r.prompt_id, reasons.get(r.prompt_id), r.completion[:200])
-            for r in records if keep.get(r.prompt_id) is r and r.prompt_id not in seen
+            for r in records if fresh(r)
         ]
         return out
 
@@ -168,7 +176,7 @@ class SampleBuilder:
             return None
         return TokenizedSample(
             prompt_id=rec.prompt_id, input_ids=ids, loss_mask=mask, num_tokens=len(ids),
-            num_supervised=len(supervised), truncated=cut,
+            num_supervised=len(supervised), truncated=cut, generation=rec.generation,
         )
 
     def _exact(self, plan: _Plan, enc: dict[str, list[int]], gen_ids: list[int]) -> tuple[list[int], list[int]] | None:

@@ -8,8 +8,9 @@ the others go on. An output key that already exists is not recomputed (exists ->
 event is published again from the stored shard.
 
 Dedupe across shards: prompt_ids this run already has under this fingerprint (read from S3 at
-start, then kept in memory) are skipped as `duplicate`; readers apply `dedupe_samples` for the
-rare race of two workers. A sample's content depends only on its record, the template and the
+start, then kept in memory, with the newest generation of each) are skipped as `duplicate`
+unless the record is a newer generation (a deliberate regeneration, whose sample then replaces
+the old one on read); readers apply `dedupe_samples` for that and for the rare race of two workers. A sample's content depends only on its record, the template and the
 policy, never on which worker made it.
 """
 
@@ -20,6 +21,7 @@ import logging
 import math
 import time
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +30,13 @@ import msgspec
 from shared.bus import Bus, Delivery, Poison, ProgressLoop, Retry, WorkStats, consumer_for
 from shared.config import Config
 from shared.messages import Alert, ShardWritten, Subjects, TokenizedShard, TokenizerProgress
-from shared.records import RecordError, read_completions, read_sample_ids, read_samples, samples_to_parquet
+from shared.records import (
+    RecordError,
+    read_completions,
+    read_sample_generations,
+    read_samples,
+    samples_to_parquet,
+)
 from shared.store import (
     ChecksumMismatch,
     KeyNotFound,
@@ -91,7 +99,7 @@ class TokenizerService:
         self.gate = gatemod.QualityGate(t.gate_window, t.gate_threshold, t.gate_identical_threshold)
         self.override = t.gate_override
         self.counts = Counts()
-        self.seen: set[str] = set()
+        self.seen: dict[str, int] = {}  # prompt_id → the newest generation emitted
         self.tripped: Alert | None = None
         self.state = "starting"
         self._lock = asyncio.Lock()
@@ -108,7 +116,7 @@ class TokenizerService:
         keys = [k for k in await asyncio.to_thread(lambda: list(self.store.list(prefix))) if k.endswith(".parquet")]
         for key in keys:
             data = await asyncio.to_thread(self.store.get_bytes, key)
-            self.seen.update(read_sample_ids(data))
+            self._saw(read_sample_generations(data))
         marker = Keys.tokenizer_gate(self.run, self.fingerprint)
         if await asyncio.to_thread(self.store.exists, marker):
             alert = msgspec.json.decode(await asyncio.to_thread(self.store.get_bytes, marker), type=Alert)
@@ -122,6 +130,11 @@ class TokenizerService:
             await self._warn_override("tokenizer.gate_override is set: a tripped quality gate will not stop this run")
         log.info("tokenizer for run %s: fingerprint %s, %d prompt_ids already tokenized", self.run,
                  self.fingerprint, len(self.seen))
+
+    def _saw(self, samples: Iterable[tuple[str, int]]) -> None:
+        for prompt_id, generation in samples:
+            if generation > self.seen.get(prompt_id, -1):
+                self.seen[prompt_id] = generation
 
     async def _warn_override(self, message: str) -> None:
         log.warning("%s", message)
@@ -182,7 +195,7 @@ class TokenizerService:
             )
             await self.bus.publish(Subjects.tokenized(self.run), event, msg_id=key)
             self.gate = trial
-            self.seen.update(s.prompt_id for s in built.samples)
+            self._saw((s.prompt_id, s.generation) for s in built.samples)
             c = self.counts
             c.shards += 1
             c.samples_in += len(records)
@@ -220,7 +233,7 @@ class TokenizerService:
             sha256=sha256_bytes(data),
         )
         await self.bus.publish(Subjects.tokenized(self.run), event, msg_id=key)
-        self.seen.update(s.prompt_id for s in samples)
+        self._saw((s.prompt_id, s.generation) for s in samples)
         self.counts.skipped_shards += 1
         return event
 

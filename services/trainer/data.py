@@ -18,7 +18,7 @@ import torch
 
 from shared.bus import Bus, Delivery, consumer_for
 from shared.messages import Subjects, TokenizedShard
-from shared.records import TokenizedSample, read_samples
+from shared.records import TokenizedSample, dedupe_samples, read_samples
 from shared.store import Store
 
 
@@ -101,16 +101,11 @@ async def shard_keys(bus: Bus, run: str) -> list[str]:
 
 
 def load_samples(store: Store, keys: list[str], *, holdout_mod: int, train: bool) -> list[TokenizedSample]:
-    """One sample per prompt_id (the first by shard key, then row), the held-out ones or the others."""
-    seen: set[str] = set()
-    out = []
-    for key in sorted(keys):
-        for s in read_samples(store.get_bytes(key)):
-            if s.prompt_id in seen or s.num_supervised < 2 or held_out(s.prompt_id, holdout_mod) == train:
-                continue
-            seen.add(s.prompt_id)
-            out.append(s)
-    return sorted(out, key=lambda s: s.prompt_id)
+    """One sample per prompt_id (by `dedupe_samples`: a regeneration replaces the older sample), the
+    held-out ones or the others."""
+    unique = dedupe_samples((key, read_samples(store.get_bytes(key))) for key in keys)
+    return sorted((s for s in unique.values() if s.num_supervised >= 2 and held_out(s.prompt_id, holdout_mod) != train),
+                  key=lambda s: s.prompt_id)
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
