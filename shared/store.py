@@ -58,6 +58,10 @@ class ChecksumMismatch(StoreError):
     pass
 
 
+class _KeyExists(Exception):
+    """A conditional put found the key taken."""
+
+
 class ObjectConflict(StoreError):
     """A deterministic key already holds different content: refusing to overwrite."""
 
@@ -235,13 +239,34 @@ class Store:
         """
         digest = sha256_bytes(data)
         existing = self.stat(key)
-        if existing is not None:
-            if existing.sha256 == digest:
-                return existing, False
-            raise ObjectConflict(
-                f"s3://{self.bucket}/{key} already holds different content (sha256 {existing.sha256[:12]} != {digest[:12]})"
-            )
-        return self.put_bytes(key, data, content_type), True
+        if existing is None:
+            try:
+                return self._put_if_absent(key, data, digest, content_type), True
+            except _KeyExists:  # another writer got there between the stat and the put
+                existing = self.stat(key)
+        if existing is not None and existing.sha256 == digest:
+            return existing, False
+        raise ObjectConflict(
+            f"s3://{self.bucket}/{key} already holds different content "
+            f"(sha256 {existing.sha256[:12] if existing else '?'} != {digest[:12]})"
+        )
+
+    def _put_if_absent(self, key: str, data: bytes, digest: str, content_type: str) -> ObjectInfo:
+        """A put the server refuses when the key exists (`If-None-Match: *`: AWS S3, MinIO and SeaweedFS
+        honour it), so of two writers racing on one key only one writes. minio < 8's public put_object
+        takes no request headers, hence its `_put_object`."""
+        headers = {"Content-Type": content_type, "If-None-Match": "*", _SHA_HEADER: digest}
+
+        def put() -> None:
+            try:
+                self.client._put_object(self.bucket, key, data, headers)
+            except S3Error as e:
+                if e.code == "PreconditionFailed":
+                    raise _KeyExists from None
+                raise
+
+        self._call(f"put {key}", put)
+        return ObjectInfo(key, len(data), digest)
 
     # --- read ---------------------------------------------------------------------------------
 

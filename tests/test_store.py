@@ -43,6 +43,37 @@ def test_put_new_is_idempotent_and_refuses_different_content(store, cfg):
     assert store.get_bytes(key) == b"v1"
 
 
+def test_put_new_between_another_writers_stat_and_put_cannot_overwrite(store, cfg, monkeypatch):
+    """The race stat-then-put leaves open: the other writer's object lands after our stat saw nothing.
+    The put itself is conditional (If-None-Match: *), so the real S3 server refuses it."""
+    real_stat = store.stat
+
+    def race(their_bytes: bytes):
+        calls = []
+
+        def stat(k):  # our check sees nothing; then the other writer's put lands before ours
+            calls.append(k)
+            if len(calls) == 1:
+                store.put_bytes(k, their_bytes)
+                return None
+            return real_stat(k)
+        return stat
+
+    key = f"runs/{cfg.run}/raced.parquet"
+    monkeypatch.setattr(store, "stat", race(b"theirs"))
+    with pytest.raises(ObjectConflict, match="already holds different content"):
+        store.put_new(key, b"ours")
+    assert store.get_bytes(key) == b"theirs"
+
+    monkeypatch.setattr(store, "stat", race(b"same"))
+    info, written = store.put_new(key + ".same", b"same")  # lost the race to identical bytes: fine
+    assert not written and info.sha256 == real_stat(key + ".same").sha256
+
+    monkeypatch.setattr(store, "stat", real_stat)
+    _, written = store.put_new(f"runs/{cfg.run}/fresh.parquet", b"new")
+    assert written and store.get_bytes(f"runs/{cfg.run}/fresh.parquet") == b"new"  # verified: the sha is stored
+
+
 def test_checksum_mismatch_is_detected(store, cfg):
     key = f"runs/{cfg.run}/corrupt"
     data = b"the real bytes"
