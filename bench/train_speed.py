@@ -49,7 +49,7 @@ def main() -> int:
 
     from services.trainer.features import Target
     from services.trainer.model import DFlashDrafter, feature_layer_ids, resolve_mask_token_id
-    from services.trainer.train import autocast_dtype, draft_vocab_ids, sequence_loss
+    from services.trainer.train import autocast_dtype, draft_vocab_ids, sequence_blocks, sequence_loss
     from shared.config import load_config
     from shared.model import load_causal_lm, load_tokenizer
 
@@ -78,7 +78,8 @@ def main() -> int:
             opt.zero_grad(set_to_none=True)
             feats = target.features_many([torch.tensor(s.input_ids) for s in seqs])
             for i, (s, f) in enumerate(zip(seqs, feats, strict=True)):
-                sequence_loss(target, drafter, s, anchors, 0, r, i, 4096, 2048, 1e-3, stats, amp, f)
+                b = sequence_blocks(s, anchors, 0, r, i, 4096, B, drafter.config.mask_token_id)
+                sequence_loss(target, drafter, b, 2048, 1e-3, stats, amp, f)
             torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
             opt.step()
             dt_train = time.perf_counter() - t0

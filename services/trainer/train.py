@@ -31,7 +31,7 @@ from shared.messages import Subjects, TrainerProgress
 from shared.records import TokenizedSample
 from shared.store import Keys, Store
 
-from .blocks import estimated_tau, label_states, make_blocks, sample_anchors
+from .blocks import Blocks, estimated_tau, label_states, make_blocks, sample_anchors
 from .data import ShardFeed, epoch_order, load_samples
 from .dist import Dist
 from .features import Target
@@ -105,8 +105,18 @@ def draft_vocab_ids(samples: list[TokenizedSample], size: int, vocab_size: int) 
     return torch.sort(order[:size]).values
 
 
-def sequence_loss(target: Target, drafter: DFlashDrafter, sample: TokenizedSample, anchors_n: int, seed: int,
-                  step: int, index: int, max_length: int, chunk: int, scale: float, stats: dict,
+def sequence_blocks(sample: TokenizedSample, anchors_n: int, seed: int, step: int, index: int, max_length: int,
+                    block_size: int, mask_token_id: int) -> Blocks | None:
+    """One sequence's blocks for this step (None: no anchor). The anchors are drawn from (seed, step,
+    index), so every rank, and a resumed run, draws the same ones."""
+    ids = torch.tensor(sample.input_ids[:max_length], dtype=torch.long)
+    mask = torch.tensor(sample.loss_mask[:max_length], dtype=torch.long)
+    g = torch.Generator().manual_seed((seed * 1_000_003 + step) * 65_537 + index)
+    anchors = sample_anchors(mask, anchors_n, g)
+    return make_blocks(ids, mask, anchors, block_size, mask_token_id) if len(anchors) else None
+
+
+def sequence_loss(target: Target, drafter: DFlashDrafter, b: Blocks, chunk: int, scale: float, stats: dict,
                   amp: torch.dtype | None, feats: torch.Tensor, final: torch.Tensor | None = None) -> None:
     """Drafter forward + backward of one sequence's blocks; adds to stats (loss numerator, per-slot hits).
     `feats` [S, k·D] come from the caller's batched target forward (in the target's dtype, fp32 on
@@ -114,16 +124,10 @@ def sequence_loss(target: Target, drafter: DFlashDrafter, sample: TokenizedSampl
     states `final` [S, D], each label is the target's distribution at the position before it."""
     c = drafter.config
     device = next(drafter.parameters()).device
-    ids = torch.tensor(sample.input_ids[:max_length], dtype=torch.long)
-    mask = torch.tensor(sample.loss_mask[:max_length], dtype=torch.long)
-    g = torch.Generator().manual_seed((seed * 1_000_003 + step) * 65_537 + index)
-    anchors = sample_anchors(mask, anchors_n, g)
-    if len(anchors) == 0:
-        return
-    b = make_blocks(ids, mask, anchors, c.block_size, c.mask_token_id)
+    S = feats.shape[0]
     with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
         emb = target.embed(b.block_ids.to(device))
-        hidden = drafter(emb, feats, b.q_pos.to(device), torch.arange(len(ids), device=device), b.mask.to(device))
+        hidden = drafter(emb, feats, b.q_pos.to(device), torch.arange(S, device=device), b.mask.to(device))
     head = drafter.head_rows(target.head_weight(amp or hidden.dtype))
     w = b.weights.to(device)
     keep = torch.nonzero(w > 0).flatten()
@@ -141,7 +145,7 @@ def sequence_loss(target: Target, drafter: DFlashDrafter, sample: TokenizedSampl
     stats["counts"].index_add_(0, slot, torch.ones(len(slot)))
     (total * scale).backward()
     stats["loss_sum"] += float(total.detach())
-    stats["tokens"] += len(ids)
+    stats["tokens"] += S
 
 
 class Trainer:
@@ -292,23 +296,17 @@ class Trainer:
             micro.append(mb)
         if not micro:
             return None
-        # the step's weight sum first: loss = Σ w·CE / Σ w over the whole optimizer step
-        weight_sum = 0.0
-        for mb in micro:
-            for pos, s in mb:
-                ids = torch.tensor(s.input_ids[: t.max_length])
-                mask = torch.tensor(s.loss_mask[: t.max_length])
-                g = torch.Generator().manual_seed((t.seed * 1_000_003 + self.step) * 65_537 + pos)
-                anchors = sample_anchors(mask, t.anchors_per_sequence, g)
-                if len(anchors):
-                    weight_sum += float(make_blocks(ids, mask, anchors, c.block_size, c.mask_token_id).weights.sum())
+        # every rank builds every micro-batch's blocks: loss = Σ w·CE / Σ w over the whole optimizer step
+        blocks = [[sequence_blocks(s, t.anchors_per_sequence, t.seed, self.step, pos, t.max_length, c.block_size,
+                                   c.mask_token_id) for pos, s in mb] for mb in micro]
+        weight_sum = sum(float(b.weights.sum()) for bs in blocks for b in bs if b is not None)
         stats = {"loss_sum": 0.0, "tokens": 0, "target_s": 0.0, "hits": torch.zeros(c.block_size),
                  "counts": torch.zeros(c.block_size)}
         t0 = time.perf_counter()
         self.drafter.train()
         self.opt.zero_grad(set_to_none=True)
         if weight_sum > 0:
-            for mb in micro[self.dist.rank::self.dist.world]:
+            for mb, bs in list(zip(micro, blocks, strict=True))[self.dist.rank::self.dist.world]:
                 t1 = time.perf_counter()  # the micro-batch's target forward, batched
                 with torch.autocast(torch.device(self.device).type, dtype=self.target_amp or torch.float32,
                                     enabled=self.target_amp is not None):
@@ -316,9 +314,10 @@ class Trainer:
                     feats = self.target.features_and_final_many(seqs) if t.soft_labels else \
                         [(f, None) for f in self.target.features_many(seqs)]
                 stats["target_s"] += time.perf_counter() - t1
-                for (pos, s), (f, final) in zip(mb, feats, strict=True):
-                    sequence_loss(self.target, self.drafter, s, t.anchors_per_sequence, t.seed, self.step, pos,
-                                  t.max_length, t.logits_chunk, 1.0 / weight_sum, stats, self.amp, f, final)
+                for b, (f, final) in zip(bs, feats, strict=True):
+                    if b is not None:
+                        sequence_loss(self.target, self.drafter, b, t.logits_chunk, 1.0 / weight_sum, stats, self.amp,
+                                      f, final)
             self.dist.sum_grads(list(self.drafter.parameters()))
             torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), t.grad_clip)
             self.opt.step()
