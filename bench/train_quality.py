@@ -42,7 +42,7 @@ async def forget_training(cfg, store) -> int:
     from shared.bus import Bus, consumer_for
     from shared.store import Keys
 
-    keys = [*store.list(f"runs/{cfg.run}/checkpoints/"), Keys.eval_report(cfg.run)]
+    keys = [*store.list(f"runs/{cfg.run}/checkpoints/"), *[k for k in [Keys.eval_report(cfg.run)] if store.exists(k)]]
     for key in keys:
         store.delete(key)
     spec = consumer_for("train", cfg.run)
@@ -116,7 +116,7 @@ def main() -> int:
     result = {
         "dflash_run_exit": rc, "total_s": round(total_s, 1), "retrained": args.retrain, "prompts": PROMPTS, "block_size": t.block_size, "drafter_layers": t.num_layers,
         "drafter_init": t.init, "target_autocast": t.target_autocast, "token_budget": t.token_budget,
-        "anchors_per_sequence": t.anchors_per_sequence, "draft_vocab": t.draft_vocab, "lr": t.lr, "train_budget_s": t.max_train_s, **f,
+        "anchors_per_sequence": t.anchors_per_sequence, "soft_labels": t.soft_labels, "draft_vocab": t.draft_vocab, "lr": t.lr, "train_budget_s": t.max_train_s, **f,
         "eval_prompts": report.prompts if report else 0, "tau": round(report.tau, 3) if report else None,
         "acceptance_histogram": report.acceptance_histogram if report else None,
         "speedup": round(report.speedup, 3) if report else None, "lossless": report.lossless if report else None,
