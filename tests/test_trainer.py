@@ -254,25 +254,25 @@ def test_draft_vocab_restricts_proposals_and_survives_save_load(tmp_path: Path) 
 # --- training on the live stack -------------------------------------------------------------------
 
 
-def _records(run: str, n: int) -> list[CompletionRecord]:
-    lines = (Path(__file__).parents[1] / "services/pipeline/data/prompts.jsonl").read_text().splitlines()[:n]
+def _records(run: str, n: int, first: int = 0) -> list[CompletionRecord]:
+    lines = (Path(__file__).parents[1] / "services/pipeline/data/prompts.jsonl").read_text().splitlines()[first:first + n]
     prompts = [r["messages"][-1]["content"] if "messages" in r else r["prompt"] for r in map(json.loads, lines)]
     return [CompletionRecord(run=run, prompt_id=f"p{i:04d}", messages=[ChatMessage(role="user", content=p)],
                              completion=ANSWERS[i % len(ANSWERS)], completion_tokens=20)
-            for i, p in enumerate(prompts)]
+            for i, p in enumerate(prompts, start=first)]
 
 
-def publish_tokenized(stack, run: str, n: int = 30) -> int:
+def publish_tokenized(stack, run: str, n: int = 30, first: int = 0) -> int:
     """Tokenize real records with the real SmolLM2 template, write them as a shard, announce it."""
     from services.tokenizer.fingerprint import load_target_tokenizer, template_fingerprint
     from services.tokenizer.samples import SampleBuilder
 
     cfg = make_config(stack, run, trainer={"block_size": TINY["block_size"]})
     tok = load_target_tokenizer(cfg)
-    built = SampleBuilder(tok, cfg).build(_records(run, n))
+    built = SampleBuilder(tok, cfg).build(_records(run, n, first))
     assert len(built.samples) == n
     fp = template_fingerprint(tok, cfg)
-    key = f"runs/{run}/tokenized/{fp}/w0-00000000.parquet"
+    key = f"runs/{run}/tokenized/{fp}/w0-{first:08d}.parquet"
     data = samples_to_parquet(built.samples)
     Store.open(cfg).put_bytes(key, data)
 
@@ -442,3 +442,26 @@ def test_trainer_started_before_data_takes_it_from_its_durable_consumer(stack, s
     state = torch.load(io.BytesIO(store.get_bytes(prefix + "state.pt")), weights_only=False)
     assert [k.split("/")[2] for k in state["cursor"]["shards"]] == ["tokenized"]  # the shard table, in the checkpoint
     assert state["step"] == 4 and progress_history(stack, run)[4].total_steps == 4
+
+
+def test_data_arriving_mid_run_joins_the_next_epoch_and_stretches_the_plan(stack, stack_env, tmp_path: Path) -> None:
+    """Planned by epochs over the first shard; a second shard announced while the first epochs run joins
+    at the next boundary, and the plan grows to the remaining epochs over all the data instead of
+    stopping at the total planned for the first shard alone."""
+    run = new_run()
+    publish_tokenized(stack, run, 30)
+    proc = _spawn(_env(stack_env, max_steps=0, epochs=3, token_budget=150, checkpoint_every=100, progress_every=1),
+                  run, tmp_path / "t.log", "train")
+    deadline = time.monotonic() + 300
+    while not (history := progress_history(stack, run)):
+        assert proc.poll() is None, (tmp_path / "t.log").read_text()[-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    first = history[min(history)]
+    publish_tokenized(stack, run, 30, first=30)
+    assert proc.wait(timeout=600) == 0, (tmp_path / "t.log").read_text()[-3000:]
+    history = progress_history(stack, run)
+    last = history[max(history)]
+    assert first.epoch == 0 and last.epoch == 2, (first, last)
+    assert last.total_steps > first.total_steps and max(history) > first.total_steps, (first, last)
+    assert f"total steps {first.total_steps} → {last.total_steps}" in (tmp_path / "t.log").read_text()

@@ -193,15 +193,30 @@ class Trainer:
     def _samples(self, keys: list[str]) -> list[TokenizedSample]:
         return load_samples(self.store, keys, holdout_mod=self.cfg.trainer.holdout_mod, train=True)
 
-    # --- checkpoints -------------------------------------------------------------------------
-
     def _plan_total(self, samples: list[TokenizedSample]) -> int:
         t = self.cfg.trainer
-        if t.max_steps:
-            return t.max_steps
+        return t.max_steps or max(1, t.epochs * self._steps_per_epoch(samples))
+
+    def _steps_per_epoch(self, samples: list[TokenizedSample]) -> int:
+        t = self.cfg.trainer
         avg = sum(min(s.num_tokens, t.max_length) for s in samples) / max(1, len(samples))
         per_step = t.grad_accum * max(1, int(t.token_budget // max(1.0, avg)))
-        return max(1, t.epochs * math.ceil(len(samples) / per_step))
+        return math.ceil(len(samples) / per_step)
+
+    def _replan(self, samples: list[TokenizedSample]) -> None:
+        """Data that joined at an epoch boundary: the steps left become the remaining epochs over all of
+        it, and the cosine schedule stretches to the new total (a fixed max_steps is kept)."""
+        t = self.cfg.trainer
+        if t.max_steps:
+            return
+        total = max(self.step + 1, self.step + (t.epochs - self.cursor.epoch) * self._steps_per_epoch(samples))
+        if total != self.total_steps:
+            log.info("%d samples from epoch %d: total steps %d → %d", len(samples), self.cursor.epoch,
+                     self.total_steps, total)
+            self.total_steps = total
+            self.sched.lr_lambdas = [lr_lambda(total, t.warmup_ratio)]  # a resume rebuilds it from total_steps
+
+    # --- checkpoints -------------------------------------------------------------------------
 
     def save_checkpoint(self) -> str:
         prefix = Keys.checkpoint(self.run, self.step)
@@ -373,6 +388,7 @@ class Trainer:
                     keys = await self._shard_keys()  # shards tokenized since join this epoch
                     if keys != self.cursor.keys:
                         samples = await asyncio.to_thread(self._samples, keys)
+                        self._replan(samples)
                     self.cursor.keys, self.cursor.position = keys, 0
                     order = epoch_order(len(samples), t.seed, self.cursor.epoch)
                 out = await asyncio.to_thread(self.train_step, samples, order)
