@@ -165,7 +165,7 @@ async def run_generator(cfg: Config, worker: str, *, gpu: int | None = None, sto
 
     if stop is None:
         stop = asyncio.Event()
-        install_stop_signals(stop)
+        install_stop_signals(stop, report_after_s=max(45.0, cfg.generator.drain_s + 30))  # a drain is not stuck
     store = await asyncio.to_thread(Store.open, cfg)
     backend = make_backend(cfg, gpu=gpu)
     async with await Bus.connect(cfg.bus, f"generator-{worker}", deadline_s=60) as bus:
