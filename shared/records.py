@@ -167,8 +167,8 @@ def samples_to_parquet(samples: list[TokenizedSample]) -> bytes:
 
 def read_samples(data: bytes) -> list[TokenizedSample]:
     table = _read_table(data, "tokenized shard")
-    return [msgspec.convert({k: v for k, v in row.items() if v is not None}, TokenizedSample)
-            for row in table.to_pylist()]  # shards written before the generation column read as generation 0
+    # shards written before the generation column have no such key in their rows: generation 0
+    return [msgspec.convert(row, TokenizedSample) for row in table.to_pylist()]
 
 
 def read_sample_generations(data: bytes) -> list[tuple[str, int]]:

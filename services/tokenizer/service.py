@@ -10,8 +10,9 @@ event is published again from the stored shard.
 Dedupe across shards: prompt_ids this run already has under this fingerprint (read from S3 at
 start, then kept in memory, with the newest generation of each) are skipped as `duplicate`
 unless the record is a newer generation (a deliberate regeneration, whose sample then replaces
-the old one on read); readers apply `dedupe_samples` for that and for the rare race of two workers. A sample's content depends only on its record, the template and the
-policy, never on which worker made it.
+the old one on read); readers apply `dedupe_samples` for that and for the rare race of two
+workers. A sample's content depends only on its record, the template and the policy, never on
+which worker made it.
 """
 
 from __future__ import annotations

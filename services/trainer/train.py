@@ -124,15 +124,15 @@ def sequence_loss(target: Target, drafter: DFlashDrafter, b: Blocks, chunk: int,
     states `final` [S, D], each label is the target's distribution at the position before it."""
     c = drafter.config
     device = next(drafter.parameters()).device
-    S = feats.shape[0]
+    S, q_pos = feats.shape[0], b.q_pos.to(device)
     with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
         emb = target.embed(b.block_ids.to(device))
-        hidden = drafter(emb, feats, b.q_pos.to(device), torch.arange(S, device=device), b.mask.to(device))
+        hidden = drafter(emb, feats, q_pos, torch.arange(S, device=device), b.mask.to(device))
     head = drafter.head_rows(target.head_weight(amp or hidden.dtype))
     w = b.weights.to(device)
     keep = torch.nonzero(w > 0).flatten()
     rows = drafter.vocab_rows(b.labels.to(device)[keep])
-    teacher = None if final is None else label_states(final, b.q_pos.to(device)[keep])
+    teacher = None if final is None else label_states(final, q_pos[keep])
     if drafter.draft_vocab is None:
         total, hits = head_cross_entropy(hidden[keep].to(head.dtype), head, rows, w[keep], chunk, teacher)
     else:  # labels outside the draft vocabulary cannot be proposed: out of the loss, counted as misses
