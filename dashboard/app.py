@@ -25,6 +25,7 @@ from dashboard.cli import PASSWORD_ENV
 from dashboard.listener import Listener, Snapshot
 from shared.config import Config, ConfigError, load_config
 from shared.stack import connect_config
+from shared.status import DurableCounts
 
 REFRESH_S = 2.0
 
@@ -84,9 +85,10 @@ def stack_messages(snap: Snapshot, cfg: Config) -> None:
         st.info(f"Replaying progress history: {h.replay_pending:,} events to go …")
 
 
-def run_overview(rs: sv.RunState, now: float, manifest: dict[str, Any] | None, silent_after_s: float) -> None:
+def run_overview(rs: sv.RunState, now: float, manifest: dict[str, Any] | None, durable: DurableCounts | None,
+                 silent_after_s: float) -> None:
     st.header("Run overview")
-    totals = sv.stage_totals(rs, now, manifest)
+    totals = sv.stage_totals(rs, now, manifest, durable)
     gen = totals[1]
     cols = st.columns(4)
     cols[0].metric("elapsed", sv.fmt_duration(sv.elapsed_s(rs, now)))
@@ -96,7 +98,7 @@ def run_overview(rs: sv.RunState, now: float, manifest: dict[str, Any] | None, s
     cols = st.columns(4)
     for col, t in zip(cols, totals, strict=True):
         of = f" / {t.total:,}" if t.total is not None else ""
-        col.metric(t.label, f"{t.done:,}{of}")
+        col.metric(t.label, f"{t.done:,}{of}", help=t.help or None)
         pct = f"{100 * t.fraction:.1f}%" if t.total else "total unknown"
         col.progress(t.fraction, text=f"{pct} · {t.rate_per_s:.2f}/s · ETA {sv.fmt_duration(t.eta_s)}")
     silent = sv.silent_workers(rs, now, silent_after_s)
@@ -290,7 +292,7 @@ def main() -> None:
         if "replay_result" in st.session_state:
             st.success(st.session_state.pop("replay_result"))
         silent_after_s = cfg.dashboard.silent_after_s
-        run_overview(rs, now, manifest, silent_after_s)
+        run_overview(rs, now, manifest, snap.durable.get(run), silent_after_s)
         generators_panel(rs, now, silent_after_s)
         quality_panel(rs)
         trainer_panel(rs)

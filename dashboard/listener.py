@@ -3,7 +3,8 @@
 Streamlit reruns the page script in short-lived threads, so an event-loop-bound client cannot
 be cached; this object is (via `st.cache_resource`), and the page only reads `snapshot()`.
 On start it replays the PROGRESS stream from its first message (a page opened on day three
-shows days one and two), then follows it live with an ordered consumer. Dead letters, stream
+shows days one and two), then follows it live with an ordered consumer; SHARDS and TOKENIZED
+likewise, for the counts workers cannot give exactly (unique prompts in S3, shards tokenized). Dead letters, stream
 lag per consumer, S3 reachability and run manifests are polled every few seconds. Any failure
 (NATS or S3 down) is recorded as a message for the page and retried; nothing raises into the page.
 """
@@ -28,12 +29,14 @@ from nats.js import api
 from dashboard.state import RunState, apply
 from shared.bus import Bus
 from shared.config import Config
-from shared.messages import DeadLetter, MessageError, ProgressMessage, decode
+from shared.messages import DeadLetter, MessageError, ProgressMessage, ShardWritten, TokenizedShard, decode
+from shared.status import DurableCounts, DurableLog
 from shared.store import Keys, Store, StoreError
 
 log = logging.getLogger("dflash.dashboard")
 
 POLL_S = 3.0
+SHARD_EVENT = ShardWritten | TokenizedShard
 
 
 @dataclass
@@ -67,6 +70,7 @@ class Snapshot:
     lag: list[ConsumerLag] = field(default_factory=list)
     manifests: dict[str, dict[str, Any]] = field(default_factory=dict)
     last_seq: int = 0
+    durable: dict[str, DurableCounts] = field(default_factory=dict)  # per run: unique prompts and shards in S3
 
 
 class Listener:
@@ -77,6 +81,8 @@ class Listener:
         self.run = run
         self._lock = threading.Lock()
         self._state = Snapshot()
+        self._durable: dict[str, DurableLog] = {}  # per run, from SHARDS and TOKENIZED
+        self._seq: dict[str, int] = {}  # last stream sequence folded, per stream
         self._stop = threading.Event()
         self._loop = asyncio.new_event_loop()
         self._bus: Bus | None = None
@@ -92,6 +98,7 @@ class Listener:
             return Snapshot(
                 runs={run: rs.copy() for run, rs in s.runs.items()}, health=copy.copy(s.health),
                 dead_letters=list(s.dead_letters), lag=list(s.lag), manifests=dict(s.manifests), last_seq=s.last_seq,
+                durable={run: d.counts() for run, d in self._durable.items()},
             )
 
     def replay_dead_letters(self, run: str, stage: str = "*", timeout_s: float = 60.0) -> int:
@@ -123,7 +130,11 @@ class Listener:
             self._loop.close()
 
     async def _supervise(self) -> None:
-        await asyncio.gather(self._follow_forever(), self._poll_forever())
+        run = self.run or "*"
+        await asyncio.gather(self._follow_forever("PROGRESS", f"dflash.{run}.>"),
+                             self._follow_forever("SHARDS", f"dflash.{run}.generate.shard"),
+                             self._follow_forever("TOKENIZED", f"dflash.{run}.tokenize.shard"),
+                             self._poll_forever())
 
     async def _close_bus(self) -> None:
         if self._bus is not None:
@@ -147,41 +158,51 @@ class Listener:
                 self._health(nats_ok=False, nats_error=str(e))
                 await asyncio.sleep(POLL_S)
 
-    async def _follow_forever(self) -> None:
+    async def _follow_forever(self, stream: str, subject: str) -> None:
         while not self._stop.is_set():
             bus = await self._connect()
             try:
-                await self._follow(bus)
+                await self._follow(bus, stream, subject)
             except (nats.errors.Error, nats.js.errors.Error, OSError, TimeoutError) as e:
+                if stream != "PROGRESS":  # a shard stream missing or failing: the page falls back to counters
+                    await asyncio.sleep(POLL_S)
+                    continue
                 stream_missing = isinstance(e, nats.js.errors.NotFoundError)
                 self._health(stream_missing=stream_missing,
                              nats_error="" if stream_missing else f"following progress failed: {e}")
                 await asyncio.sleep(POLL_S)
 
-    async def _follow(self, bus: Bus) -> None:
-        """Replay the stream from where we are (the start, first time), then follow live."""
-        await bus.js.stream_info("PROGRESS")  # NotFoundError: no service has created the streams yet
-        self._health(stream_missing=False)
-        start = self._state.last_seq + 1
-        subject = f"dflash.{self.run or '*'}.>"
+    async def _follow(self, bus: Bus, stream: str, subject: str) -> None:
+        """Replay `stream` from where we are (the start, first time), then follow it live."""
+        await bus.js.stream_info(stream)  # NotFoundError: no service has created the streams yet
+        progress = stream == "PROGRESS"
+        if progress:
+            self._health(stream_missing=False)
+        start = self._seq.get(stream, 0) + 1
         config = api.ConsumerConfig(deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start)
-        sub = await bus.js.subscribe(subject, stream="PROGRESS", ordered_consumer=True, config=config)
+        sub = await bus.js.subscribe(subject, stream=stream, ordered_consumer=True, config=config)
         try:
             while not self._stop.is_set():
                 try:
                     m = await sub.next_msg(timeout=1.0)
                 except nats.errors.TimeoutError:
-                    self._health(replaying=False, replay_pending=0)
+                    if progress:
+                        self._health(replaying=False, replay_pending=0)
                     continue
                 md = m.metadata
                 try:
-                    event: ProgressMessage | None = decode(m.data, ProgressMessage)
+                    event = decode(m.data, ProgressMessage if progress else SHARD_EVENT)
                 except MessageError as e:
-                    log.warning("skipping undecodable progress message seq %d: %s", md.sequence.stream, e)
+                    log.warning("skipping undecodable %s message seq %d: %s", stream, md.sequence.stream, e)
                     event = None
                 with self._lock:
-                    if event is not None:
-                        apply(self._state.runs, event)
+                    self._seq[stream] = md.sequence.stream
+                    if event is None:
+                        continue
+                    if not progress:
+                        self._durable.setdefault(event.run, DurableLog()).add(event)
+                        continue
+                    apply(self._state.runs, event)
                     self._state.last_seq = md.sequence.stream
                     self._state.health.replaying = md.num_pending > 0
                     self._state.health.replay_pending = md.num_pending

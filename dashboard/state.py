@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +23,7 @@ from shared.messages import (
     TokenizerProgress,
     TrainerProgress,
 )
+from shared.status import DurableCounts
 
 HISTORY_POINTS = 2000  # per worker; older points are thinned, so a 30-day run still fits
 RATE_WINDOW_S = 300.0  # rates and ETA from the last five minutes of counters
@@ -121,6 +123,7 @@ class StageTotal:
     total: int | None  # None: unknown yet
     rate_per_s: float
     eta_s: float | None
+    help: str = ""  # where the number comes from, shown on hover
 
     @property
     def fraction(self) -> float:
@@ -142,7 +145,11 @@ def _counter_series(workers: list[WorkerState], value: Any) -> list[tuple[float,
 
 def rate(workers: list[WorkerState], value: Any, now: float, window_s: float = RATE_WINDOW_S) -> float:
     """Units per second of a summed cumulative counter over the last `window_s` seconds."""
-    series = _counter_series(workers, value)
+    return series_rate(_counter_series(workers, value), now, window_s)
+
+
+def series_rate(series: Sequence[tuple[float, float]], now: float, window_s: float = RATE_WINDOW_S) -> float:
+    """Units per second of a cumulative (ts, value) series over its last `window_s` seconds."""
     if len(series) < 2:
         return 0.0
     end_ts, end_v = series[-1]
@@ -157,29 +164,44 @@ def _sum_latest(workers: list[WorkerState], value: Any) -> int:
     return int(sum(value(w.latest) for w in workers))
 
 
-def stage_totals(rs: RunState, now: float, manifest: dict[str, Any] | None = None) -> list[StageTotal]:
-    """fed → generated → tokenized → trained, each against the stage before it (fed against the manifest)."""
+def stage_totals(rs: RunState, now: float, manifest: dict[str, Any] | None = None,
+                 durable: DurableCounts | None = None) -> list[StageTotal]:
+    """fed → generated → tokenized → trained, each against the stage before it (fed against the manifest).
+
+    Generated and tokenized come from the run's shard events (`durable`) once there are any: unique
+    prompts in S3, shards tokenized of shards written, exact through worker restarts and redeliveries.
+    Before the first shard, from the workers' progress counters.
+    """
     feed, gen = workers_of(rs, "feed"), workers_of(rs, "generate")
     tok, train = workers_of(rs, "tokenize"), workers_of(rs, "train")
     fed = _sum_latest(feed, lambda m: m.accepted)
     manifest_total = int(manifest["total_accepted"]) if manifest and "total_accepted" in manifest else None
     prompts = manifest_total if manifest_total is not None else (fed or None)
-    generated = _sum_latest(gen, lambda m: m.completions)
-    tokenized = _sum_latest(tok, lambda m: m.samples_in)
-    kept = _sum_latest(tok, lambda m: m.samples_kept)
     trained = max((w.latest.samples_seen for w in train), default=0)
 
     def eta(done: int, of: int | None, rate_s: float) -> float | None:
         return (of - done) / rate_s if of is not None and rate_s > 0 and of >= done else None
 
+    exact = durable is not None and durable.shards > 0
+    source = ("from the run's shard events in S3" if exact else
+              "from the workers' counters until the first shard is written (a restart resets them)")
+    if exact:
+        generated, gen_rate = durable.completed, series_rate(durable.completed_points, now)
+        shards, tokenized, tok_rate = durable.shards, durable.tokenized_shards, series_rate(durable.tokenized_points, now)
+        kept = durable.kept
+    else:
+        generated, gen_rate = _sum_latest(gen, lambda m: m.completions), rate(gen, lambda m: m.completions, now)
+        shards, tokenized = _sum_latest(gen, lambda m: m.shards), _sum_latest(tok, lambda m: m.shards)
+        tok_rate, kept = rate(tok, lambda m: m.shards, now), _sum_latest(tok, lambda m: m.samples_kept)
+
     out = []
     r = rate(feed, lambda m: m.accepted, now)
     out.append(StageTotal("feed", "fed", fed, prompts, r, eta(fed, prompts, r)))
-    r = rate(gen, lambda m: m.completions, now)
-    out.append(StageTotal("generate", "generated", generated, prompts, r, eta(generated, prompts, r)))
-    r = rate(tok, lambda m: m.samples_in, now)
-    of = generated or None
-    out.append(StageTotal("tokenize", "tokenized", tokenized, of, r, eta(tokenized, of, r)))
+    out.append(StageTotal("generate", "generated", generated, prompts, gen_rate, eta(generated, prompts, gen_rate),
+                          f"unique prompts with a completion, {source}"))
+    of = shards or None
+    out.append(StageTotal("tokenize", "tokenized shards", tokenized, of, tok_rate, eta(tokenized, of, tok_rate),
+                          f"completion shards tokenized of those written, {source}"))
     r = max((rate([w], lambda m: m.samples_seen, now) for w in train), default=0.0)
     of = kept or None
     out.append(StageTotal("train", "trained (samples seen)", trained, of, r, eta(trained, of, r)))

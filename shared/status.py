@@ -1,6 +1,7 @@
 """`dflash status --run R`: where a run stands, rebuilt from the bus and S3 alone (no service state needed).
 
-Completed = unique prompt_ids in the run's ShardWritten log; in flight / queued from the shared
+Completed = unique prompt_ids in the run's ShardWritten log (`DurableLog`, which the dashboard
+folds too); in flight / queued from the shared
 consumer; rates from each worker's latest progress event (workers silent for over two minutes
 are listed but not counted); alerts (quality gate, crash loops) from the progress stream.
 """
@@ -10,6 +11,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
+from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -23,12 +26,67 @@ from shared.messages import (
     Message,
     ShardWritten,
     Subjects,
+    TokenizedShard,
     TokenizerProgress,
     TrainerProgress,
 )
 from shared.store import Keys, Store
 
 SILENT_S = 120.0
+POINTS = 512  # (ts, count) points kept per counter for rates: minutes of history at any shard rate
+
+
+@dataclass(frozen=True)
+class DurableCounts:
+    """A copy of a `DurableLog`'s numbers (no id sets), cheap enough to take on every page refresh."""
+
+    completed: int  # unique prompt_ids in completion shards
+    records: int  # completion records, including prompts written twice after a redelivery
+    shards: int  # completion shards
+    tokenized_shards: int  # completion shards with a tokenized shard
+    kept: int  # training samples in the latest tokenized shard of each completion shard
+    completed_points: tuple[tuple[float, int], ...]  # (event ts, completed) per shard, the latest POINTS
+    tokenized_points: tuple[tuple[float, int], ...]  # (event ts, tokenized_shards)
+
+
+class DurableLog:
+    """What a run has durably produced, folded from its ShardWritten and TokenizedShard events.
+
+    The events are the record (each says an object is in S3), so these counts survive what worker
+    counters do not: a restarted worker starts its counters at zero, and a prompt redelivered after
+    a crash is completed twice. Prompt ids are kept as 64-bit hashes: ~50 MB for a million prompts,
+    with a chance of one collision below 1e-7.
+    """
+
+    def __init__(self) -> None:
+        self.prompts: set[int] = set()
+        self.shard_keys: set[str] = set()
+        self.records = 0
+        self.kept: dict[str, int] = {}  # completion shard key -> samples in its latest tokenized shard
+        self.completed_points: deque[tuple[float, int]] = deque(maxlen=POINTS)
+        self.tokenized_points: deque[tuple[float, int]] = deque(maxlen=POINTS)
+
+    @property
+    def completed(self) -> int:
+        return len(self.prompts)
+
+    def add(self, event: ShardWritten | TokenizedShard) -> None:
+        if isinstance(event, ShardWritten):
+            if event.key in self.shard_keys:  # the same shard announced again (a republish): nothing new
+                return
+            self.shard_keys.add(event.key)
+            self.records += event.num_records
+            self.prompts.update(hash(p) for p in event.prompt_ids)
+            self.completed_points.append((event.ts, self.completed))
+        else:
+            new = event.source_key not in self.kept
+            self.kept[event.source_key] = event.num_samples
+            if new:
+                self.tokenized_points.append((event.ts, len(self.kept)))
+
+    def counts(self) -> DurableCounts:
+        return DurableCounts(self.completed, self.records, len(self.shard_keys), len(self.kept),
+                             sum(self.kept.values()), tuple(self.completed_points), tuple(self.tokenized_points))
 
 
 class RunStatus(msgspec.Struct, kw_only=True):
@@ -60,12 +118,10 @@ async def run_status(cfg: Config, bus: Bus, store: Store | None) -> RunStatus:
             manifest = msgspec.json.decode(await asyncio.to_thread(store.get_bytes, key))
             st.total = int(manifest.get("total_accepted", 0))
             st.rejects = int(manifest.get("total_rejected", 0))
-    done: set[str] = set()
+    log = DurableLog()
     async for _, event in bus.replay("SHARDS", Subjects.shards(run), 1, ShardWritten):
-        st.shards += 1
-        st.completion_records += event.num_records
-        done.update(event.prompt_ids)
-    st.completed = len(done)
+        log.add(event)
+    st.completed, st.shards, st.completion_records = log.completed, len(log.shard_keys), log.records
     try:
         info = await bus.js.consumer_info("PROMPTS", f"generate-{run}")
         st.in_flight, st.queued = info.num_ack_pending, info.num_pending

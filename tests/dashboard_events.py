@@ -15,7 +15,9 @@ from shared.messages import (
     FeederProgress,
     GeneratorProgress,
     Message,
+    ShardWritten,
     Subjects,
+    TokenizedShard,
     TokenizerProgress,
     TrainerProgress,
 )
@@ -27,9 +29,13 @@ SILENT_WORKER = "gpu1"
 class RunEvents:
     run: str
     prompts: int = 100
-    generated: int = 0  # sum of the generator workers' latest `completions`
-    tokenized: int = 0
-    kept: int = 0
+    counted: int = 0  # sum of the generator workers' latest `completions` (counts a redelivered prompt twice)
+    generated: int = 0  # unique prompts in the run's completion shards
+    shards: int = 0
+    tokenized_shards: int = 0
+    tokenized: int = 0  # the tokenizer's `samples_in`
+    kept: int = 0  # samples in the latest tokenized shard of each completion shard
+    kept_counted: int = 0  # the tokenizer's `samples_kept`
     trained: int = 0
     checkpoint_key: str = ""
 
@@ -73,9 +79,33 @@ def initial_events(run: str, now: float | None = None) -> tuple[list[tuple[str, 
          EvalReport(run=run, checkpoint_key=f"runs/{run}/checkpoints/step-00000020/", prompts=8, tau=2.1,
                     speedup=1.3, lossless=True, ts=now - 1)),
     ]
-    ev.generated, ev.tokenized, ev.kept, ev.trained = 40 + 25, 50, 44, 30
+    ev.counted, ev.tokenized, ev.kept_counted, ev.trained = 40 + 25, 50, 44, 30
+    out += shard_events(run, now)
+    ev.generated, ev.shards, ev.tokenized_shards, ev.kept = 58, 3, 2, 24 + 18
     ev.checkpoint_key = f"runs/{run}/checkpoints/step-00000020/"
     return out, ev
+
+
+def shard_events(run: str, now: float) -> list[tuple[str, Message]]:
+    """Three completion shards, the third holding 5 prompts already in the second (redelivered after a
+    crash), the second announced twice; two of them tokenized, the first twice (a new template)."""
+
+    def written(key: str, first: int, n: int, ts: float) -> ShardWritten:
+        return ShardWritten(run=run, key=f"runs/{run}/completions/{key}.parquet", worker=key.split("/")[0], seq=0,
+                            num_records=n, prompt_ids=[f"p{i}" for i in range(first, first + n)], sha256="0" * 64,
+                            size_bytes=1000, ts=ts)
+
+    def tokenized(source: ShardWritten, fingerprint: str, samples: int, ts: float) -> TokenizedShard:
+        return TokenizedShard(run=run, key=f"runs/{run}/tokenized/{fingerprint}/{source.seq}.parquet",
+                              source_key=source.key, fingerprint=fingerprint, num_samples=samples, num_tokens=100,
+                              num_supervised=50, sha256="0" * 64, ts=ts)
+
+    a, b, c = written("w0/0", 0, 30, now - 100), written("w0/1", 30, 20, now - 50), written("w1/0", 45, 13, now - 10)
+    return [(Subjects.shards(run), e) for e in (a, b, b, c)] + [
+        (Subjects.tokenized(run), tokenized(a, "fp1", 25, now - 90)),
+        (Subjects.tokenized(run), tokenized(b, "fp1", 18, now - 40)),
+        (Subjects.tokenized(run), tokenized(a, "fp2", 24, now - 8)),
+    ]
 
 
 async def publish(bus: Bus, events: list[tuple[str, Message]]) -> None:

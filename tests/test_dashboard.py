@@ -15,10 +15,20 @@ from streamlit.testing.v1 import AppTest
 from dashboard import state as sv
 from dashboard.cli import is_local
 from shared.bus import Bus, consumer_for
-from shared.messages import GeneratorProgress, PromptTask, Subjects, decode, encode
+from shared.messages import (
+    GeneratorProgress,
+    PromptTask,
+    ShardWritten,
+    Subjects,
+    TokenizedShard,
+    TokenizerProgress,
+    decode,
+    encode,
+)
 from shared.stack import EmbeddedStack, Ports, free_port
+from shared.status import DurableLog
 from tests.conftest import new_run
-from tests.dashboard_events import SILENT_WORKER, initial_events, publish
+from tests.dashboard_events import SILENT_WORKER, initial_events, publish, shard_events
 
 ROOT = Path(__file__).resolve().parents[1]
 APP = ROOT / "dashboard" / "app.py"
@@ -79,14 +89,24 @@ def test_fold_real_events_into_view_model():
     now = time.time()
     events, ev = initial_events("r1", now)
     runs: dict[str, sv.RunState] = {}
+    log = DurableLog()
     for _, msg in events:
-        sv.apply(runs, decode(encode(msg)))  # as they arrive on the wire
+        msg = decode(encode(msg))  # as they arrive on the wire
+        log.add(msg) if isinstance(msg, ShardWritten | TokenizedShard) else sv.apply(runs, msg)
     rs = runs["r1"]
-    totals = {t.stage: t for t in sv.stage_totals(rs, now)}
+    # From the shard events: unique prompts in S3 (the 5 written twice count once), shards tokenized.
+    totals = {t.stage: t for t in sv.stage_totals(rs, now, durable=log.counts())}
     assert (totals["feed"].done, totals["feed"].total) == (100, 100)
-    assert (totals["generate"].done, totals["generate"].total) == (ev.generated, 100)
-    assert totals["tokenize"].done == ev.tokenized and totals["tokenize"].total == ev.generated
+    assert (totals["generate"].done, totals["generate"].total) == (ev.generated, 100) == (58, 100)
+    assert (totals["tokenize"].done, totals["tokenize"].total) == (ev.tokenized_shards, ev.shards) == (2, 3)
     assert totals["train"].done == ev.trained and totals["train"].total == ev.kept
+    assert totals["generate"].rate_per_s == pytest.approx((58 - 30) / 90, rel=0.01)  # 30 at now-100, 58 at now-10
+    assert totals["generate"].eta_s == pytest.approx((100 - 58) / ((58 - 30) / 90), rel=0.01)
+    assert totals["tokenize"].rate_per_s == pytest.approx(1 / 50, rel=0.01)
+    # Without shard events (none written yet): the workers' own counters.
+    totals = {t.stage: t for t in sv.stage_totals(rs, now)}
+    assert (totals["generate"].done, totals["generate"].total) == (ev.counted, 100)
+    assert totals["train"].total == ev.kept_counted
     # gpu0 went 20 → 40 completions in 58 s; gpu1's only event is 15 min old (outside the window).
     assert totals["generate"].rate_per_s == pytest.approx(20 / 58, rel=0.05)
     assert totals["generate"].eta_s == pytest.approx((100 - 65) / (20 / 58), rel=0.05)
@@ -99,6 +119,26 @@ def test_fold_real_events_into_view_model():
     assert sv.checkpoint_rows(rs)[0]["S3 key"] == ev.checkpoint_key
     assert sv.eval_rows(rs)[0]["τ"] == 2.1
     assert sv.elapsed_s(rs, now) == pytest.approx(900, abs=1)
+
+
+def test_redeliveries_and_restarts_do_not_move_the_stage_counts():
+    """Worker counters count a prompt twice when it was completed by a worker that died before writing
+    its shard and then by another; the tokenizer's counters start at zero when it restarts. The
+    shard events do neither."""
+    run, now = "r2", time.time()
+    runs: dict[str, sv.RunState] = {}
+    log = DurableLog()
+    for _, msg in shard_events(run, now)[:2]:  # shards w0/0 (30 prompts) and w0/1 (20), then w0/0 tokenized
+        log.add(msg)
+    log.add(shard_events(run, now)[4][1])
+    sv.apply(runs, GeneratorProgress(run=run, worker="w0", completions=60, shards=2, ts=now - 20))  # 10 unwritten
+    sv.apply(runs, GeneratorProgress(run=run, worker="w1", completions=10, shards=0, ts=now - 5))  # ... done again
+    sv.apply(runs, TokenizerProgress(run=run, worker="tok", shards=1, samples_in=30, ts=now - 30))
+    sv.apply(runs, TokenizerProgress(run=run, worker="tok", shards=0, samples_in=0, ts=now - 5))  # restarted
+    counted = {t.stage: t.done for t in sv.stage_totals(runs[run], now)}
+    assert (counted["generate"], counted["tokenize"]) == (70, 0)  # what the counters alone show
+    exact = {t.stage: t.done for t in sv.stage_totals(runs[run], now, durable=log.counts())}
+    assert (exact["generate"], exact["tokenize"]) == (50, 1)
 
 
 def test_history_stays_bounded_and_keeps_the_latest():
@@ -127,7 +167,7 @@ async def test_page_shows_counts_gate_silent_worker_and_dead_letters(stack, page
                                  and any("dead letters" in t for t in texts(a.error)))
     m = metrics(at)
     assert m["fed"] == "100 / 100"
-    assert m["tokenized"] == f"{ev.tokenized} / {ev.generated}"
+    assert m["tokenized shards"] == f"{ev.tokenized_shards} / {ev.shards}"
     assert m["trained (samples seen)"] == f"{ev.trained} / {ev.kept}"
     assert m["samples kept"] == "44" and m["retokenization drift"] == "3"
     assert m["step"] == "20" and m["estimated τ"] == "1.90"

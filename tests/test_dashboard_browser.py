@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from shared.bus import Bus
-from shared.messages import GeneratorProgress, Message, Subjects
+from shared.messages import GeneratorProgress, Message, ShardWritten, Subjects
 from shared.stack import free_port
 from tests.conftest import make_config, new_run
 from tests.dashboard_events import SILENT_WORKER, initial_events, publish
@@ -115,14 +115,19 @@ def test_browser_shows_the_published_run_live(stack, dashboard, tmp_path):
             page.get_by_role("heading", name="Run overview").wait_for(timeout=60_000)
             shown = wait_metric(page, "generated", f"{ev.generated} / {ev.prompts}")
             assert shown["fed"] == f"{ev.prompts} / {ev.prompts}"
-            assert shown["tokenized"] == f"{ev.tokenized} / {ev.generated}"
+            assert shown["tokenized shards"] == f"{ev.tokenized_shards} / {ev.shards}"
             assert shown["trained (samples seen)"] == f"{ev.trained} / {ev.kept}"
 
-            # Live: gpu0 reports 15 more completions; the open page follows without a reload.
+            # Live: gpu0 writes a shard of 15 new prompts; the open page follows without a reload.
             publish_now(stack, [(Subjects.progress(run, "generate", "gpu0"),
                                  GeneratorProgress(run=run, worker="gpu0", completions=55, completion_tokens=11000,
                                                    completion_tokens_per_s=210.0, prompt_tokens_per_s=105.0,
-                                                   in_flight=8, finish_reasons={"stop": 50, "length": 5}))])
+                                                   in_flight=8, shards=3, finish_reasons={"stop": 50, "length": 5})),
+                                (Subjects.shards(run),
+                                 ShardWritten(run=run, key=f"runs/{run}/completions/gpu0/00000003.parquet",
+                                              worker="gpu0", seq=3, num_records=15,
+                                              prompt_ids=[f"new{i}" for i in range(15)], sha256="0" * 64,
+                                              size_bytes=1000))])
             wait_metric(page, "generated", f"{ev.generated + 15} / {ev.prompts}")
 
             body = page.inner_text("body")
@@ -146,7 +151,7 @@ def test_browser_shows_the_published_run_live(stack, dashboard, tmp_path):
 def test_browser_follows_a_real_run(stack, stack_env, dashboard, tmp_path):
     """The page open while `dflash run` really feeds, generates (SmolLM2 on CPU) and tokenizes; at the
     end its counts equal the run's own numbers read from the bus and S3."""
-    from shared.messages import ShardWritten
+    from shared.messages import TokenizedShard
     from shared.status import run_status
     from shared.store import Store
     from tests.test_run import TINY
@@ -173,20 +178,20 @@ def test_browser_follows_a_real_run(stack, stack_env, dashboard, tmp_path):
                 page.get_by_role("heading", name="Run overview").wait_for(timeout=60_000)
                 assert proc.wait(600) == 0, log.read_text()[-3000:]
 
-                async def truth() -> tuple[int, int, int]:
+                async def truth() -> tuple[int, int, int, int]:
                     cfg = make_config(stack, run)
                     async with await Bus.connect(cfg.bus, "pytest-truth", deadline_s=10) as bus:
                         st = await run_status(cfg, bus, Store.open(cfg))
-                        records = sum([e.num_records async for _, e in
-                                       bus.replay("SHARDS", Subjects.shards(run), 1, ShardWritten)])
-                    return st.total, st.completed, records
+                        tokenized = len({e.source_key async for _, e in
+                                         bus.replay("TOKENIZED", Subjects.tokenized(run), 1, TokenizedShard)})
+                    return st.total, st.completed, st.shards, tokenized
 
                 with ThreadPoolExecutor(1) as pool:
-                    total, completed, records = pool.submit(asyncio.run, truth()).result(timeout=30)
-                assert total == 10 and completed == 10
-                shown = wait_metric(page, "generated", f"{records} / {total}", timeout_s=60)
+                    total, completed, shards, tokenized = pool.submit(asyncio.run, truth()).result(timeout=30)
+                assert total == 10 and completed == 10 and tokenized == shards > 0
+                shown = wait_metric(page, "generated", f"{completed} / {total}", timeout_s=60)
                 assert shown["fed"] == f"{total} / {total}"
-                shown = wait_metric(page, "tokenized", f"{records} / {records}", timeout_s=60)
+                shown = wait_metric(page, "tokenized shards", f"{tokenized} / {shards}", timeout_s=60)
                 body = page.inner_text("body")
                 assert "Traceback" not in body and "gen0" in body
                 page.set_viewport_size({"width": 1400, "height": 3300})
