@@ -83,6 +83,7 @@ class GeneratorConfig(Section):
     batch_size: int = 8  # hf backend: prompts per generate() call
     shard_records: int = 256
     shard_seconds: float = 60.0
+    shard_idle_s: float = 1.0  # a shard is also written once the engine has been idle this long (the queue ran dry)
     ack_wait_s: float = 60.0
     max_deliver: int = 5
     max_ack_pending: int = 256

@@ -96,6 +96,25 @@ async def completed_ids_eq(bus: Bus, run: str, ids: set[str]) -> bool:
     return await completed_ids(bus, run) == ids
 
 
+async def test_the_last_shard_is_written_once_the_queue_runs_dry(stack, bus, store, tmp_path, target_dir):
+    """Neither shard_records nor shard_seconds is reached: the buffer is written after shard_idle_s of
+    an idle engine, not at the end of its ten minutes."""
+    quiet = {**FAST, "generator": {**FAST["generator"], "shard_records": 100, "shard_seconds": 600.0,
+                                   "shard_idle_s": 1.0}}
+    cfg = make_config(stack, **quiet)
+    ids = await fed_ids(cfg, bus, store, prompts_file(tmp_path, 6, "idle"))
+    stop = asyncio.Event()
+    worker = asyncio.create_task(run_generator(cfg, "w0", stop=stop))
+    try:
+        await wait_for(lambda: completed_ids_eq(bus, cfg.run, ids), 240, "all prompts in shards without a stop")
+    finally:
+        stop.set()
+        await asyncio.wait_for(worker, 120)
+    events = await shard_events(bus, cfg.run)
+    last_record = max(r.ts for _, rs in load_shards(store, events) for r in rs)
+    assert events[-1].ts - last_record < 1.0 + 2.0  # idle_s, the flusher's tick, the S3 write
+
+
 async def test_s3_down_keeps_shards_and_loses_nothing(stack, bus, store, tmp_path, target_dir):
     cfg = make_config(stack, **FAST)
     ids = await fed_ids(cfg, bus, store, prompts_file(tmp_path, 8, "s3"))

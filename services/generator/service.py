@@ -54,17 +54,23 @@ class Generator:
                                  max_deliver=g.max_deliver)
         self.slots = max(g.max_inflight, min(g.max_ack_pending, g.max_inflight + g.shard_records))
         self.shards = ShardWriter(bus, store, self.run, worker, max_records=min(g.shard_records, self.slots),
-                                  max_age_s=g.shard_seconds)
+                                  max_age_s=g.shard_seconds, idle_for=self.engine_idle_for,
+                                  idle_s=min(g.shard_idle_s, g.shard_seconds))
         self.engine_slots = asyncio.Semaphore(g.max_inflight)
         self.sampling_fp = fingerprint(cfg.sampling)
         self.stats = WorkStats()
         self.rates = Rates()
         self.started = time.monotonic()
         self.in_engine = 0
+        self.engine_free_since = time.monotonic()  # when in_engine last dropped to 0
         self.completions = self.prompt_tokens = self.completion_tokens = self.engine_errors = 0
         self.finish_reasons: collections.Counter[str] = collections.Counter()
         self.accept_lengths: collections.deque[float] = collections.deque(maxlen=256)
         self.state = "running"
+
+    def engine_idle_for(self) -> float | None:
+        """Seconds the engine has had no request; None while it has one."""
+        return None if self.in_engine else time.monotonic() - self.engine_free_since
 
     def progress(self) -> GeneratorProgress:
         p_rate, c_rate, n_rate = self.rates.per_s(self.started)
@@ -99,6 +105,8 @@ class Generator:
                 raise
             finally:
                 self.in_engine -= 1
+                if self.in_engine == 0:
+                    self.engine_free_since = time.monotonic()
         latency = time.monotonic() - t0
         record = CompletionRecord(
             run=self.run, prompt_id=task.prompt_id, messages=task.messages, completion=result.text,
@@ -153,10 +161,7 @@ class Generator:
         """While draining, write what is buffered as soon as no generation is still running."""
         await stop.wait()
         self.state = "draining"
-        while True:
-            if self.in_engine == 0 and self.shards.buffered:
-                await self.shards.flush()
-            await asyncio.sleep(0.2)
+        self.shards.idle_s = 0.0
 
 
 async def run_generator(cfg: Config, worker: str, *, gpu: int | None = None, stop: asyncio.Event | None = None) -> WorkStats:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 from shared.bus import Bus
 from shared.messages import ShardWritten, Subjects
@@ -32,9 +33,15 @@ def shard_event(run: str, key: str, worker: str, seq: int, records: list[Complet
 
 
 class ShardWriter:
-    def __init__(self, bus: Bus, store: Store, run: str, worker: str, *, max_records: int, max_age_s: float) -> None:
+    """A shard is written when it holds `max_records`, when its oldest record is `max_age_s` old, or
+    when the engine has had nothing to do for `idle_s` (`idle_for()` says how long; None: busy): the queue ran
+    dry, so nothing is coming to fill it and waiting out `max_age_s` would only delay the run's tail."""
+
+    def __init__(self, bus: Bus, store: Store, run: str, worker: str, *, max_records: int, max_age_s: float,
+                 idle_for: Callable[[], float | None] = lambda: None, idle_s: float = 1.0) -> None:
         self.bus, self.store, self.run, self.worker = bus, store, run, worker
         self.max_records, self.max_age_s = max_records, max_age_s
+        self.idle_for, self.idle_s = idle_for, idle_s
         self.seq = 0
         self.shards_written = 0
         self.write_errors = 0
@@ -89,8 +96,10 @@ class ShardWriter:
 
     async def _age_flusher(self) -> None:
         while True:
-            await asyncio.sleep(min(0.5, self.max_age_s / 4))
-            if self._records and time.monotonic() - self._oldest >= self.max_age_s:
+            await asyncio.sleep(min(0.25, self.max_age_s / 4))
+            idle = self.idle_for()
+            if self._records and (time.monotonic() - self._oldest >= self.max_age_s
+                                  or (idle is not None and idle >= self.idle_s)):
                 await self.flush()
 
     async def flush(self) -> None:
