@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -232,3 +233,22 @@ def test_template_without_a_stop_token_after_the_answer_fails_loudly(smol):
     assert tok.chat_template != smol.chat_template
     with pytest.raises(TemplateError, match="no stop token"):
         SampleBuilder(tok, config(thinking=False))
+
+
+@pytest.mark.parametrize("train_on_reasoning", [True, False])
+def test_token_exact_thinking_records_equal_the_text_path(qwen3, train_on_reasoning):
+    """A thinking model's engine returns the ids of everything it generated (reasoning, answer, without the
+    stop token): the sample is the text path's when those ids are canonical. With reasoning trained on, this
+    used to raise KeyError (the answer alone is not a piece then), failing the whole shard."""
+    builder = SampleBuilder(qwen3, config(True, train_on_reasoning))
+    msgs = [ChatMessage(role="user", content="Why is the sky blue?")]
+    rec = CompletionRecord(run="r", prompt_id="p", messages=msgs, completion="Rayleigh scattering of sunlight.",
+                           reasoning="Short wavelengths scatter more.")
+    (text,) = builder.build([rec]).samples
+    prompt_ids = qwen3(qwen3.apply_chat_template([{"role": "user", "content": msgs[0].content}], tokenize=False,
+                                                 add_generation_prompt=True, enable_thinking=True),
+                       add_special_tokens=False)["input_ids"]
+    eot = text.input_ids.index(qwen3.eos_token_id, len(prompt_ids))
+    exact = msgspec.structs.replace(rec, output_ids=text.input_ids[len(prompt_ids):eot])
+    built = builder.build([exact])
+    assert built.samples == [text] and built.exact == 1 and built.drift == 0

@@ -183,9 +183,10 @@ class SampleBuilder:
         """tokens(P) + output_ids + tokens(tail), or None when the reasoning/answer split cannot be placed."""
         rec, turn = plan.rec, plan.turn
         out_ids = list(rec.output_ids or [])
-        answer_ids = enc[turn.answer]
         if not rec.truncated and (not out_ids or out_ids[-1] not in self.stop_ids):
-            out_ids.append(answer_ids[-1])  # the engine trimmed the stop token: put the template's back
+            # The engine trimmed the stop token: put the template's back (the last token of the last supervised
+            # piece, which is the answer, or reasoning and answer together when reasoning is trained on).
+            out_ids.append(enc[plan.pieces[-2][0]][-1])
         gen_mask = [1] * len(out_ids)
         if turn.head and not self.train_on_reasoning:
             head_ids = enc[turn.head]
