@@ -114,6 +114,7 @@ class TokenizerConfig(Section):
     repetition_max_period: int = 32
     repetition_min_tail: int = 64
     max_inflight: int = 2  # shards handled at once (download overlaps tokenizing; tokenizing is serialized)
+    processes: int = 0  # processes building each shard's samples, the service's own included; 0: one per CPU (max 8)
     chat_template_file: str = ""  # a Jinja file replacing the target tokenizer's template (a template fix)
 
 

@@ -8,6 +8,8 @@ end-of-turn token; no prompt token is masked; the fast (batched) path equals the
 from __future__ import annotations
 
 import copy
+import os
+import random
 
 import msgspec
 import pytest
@@ -97,10 +99,8 @@ def llama3_tokenizer(base):
 
 def config(thinking: bool, train_on_reasoning: bool = True, **tokenizer):
     cfg = load_config(env={})
-    import msgspec
-
-    t = msgspec.structs.replace(cfg.tokenizer, min_supervised_tokens=1, repetition_min_tail=10**6,
-                                train_on_reasoning=train_on_reasoning, **tokenizer)
+    policy = {"min_supervised_tokens": 1, "repetition_min_tail": 10**6, **tokenizer}
+    t = msgspec.structs.replace(cfg.tokenizer, train_on_reasoning=train_on_reasoning, **policy)
     s = msgspec.structs.replace(cfg.sampling, enable_thinking=thinking)
     return msgspec.structs.replace(cfg, tokenizer=t, sampling=s)
 
@@ -233,6 +233,81 @@ def test_template_without_a_stop_token_after_the_answer_fails_loudly(smol):
     assert tok.chat_template != smol.chat_template
     with pytest.raises(TemplateError, match="no stop token"):
         SampleBuilder(tok, config(thinking=False))
+
+
+# --- one shard on several processes -------------------------------------------------------------------
+
+
+def mixed_shard(tok, n: int = 240) -> tuple[list[CompletionRecord], dict[str, int]]:
+    """Records of every kind a shard holds, and the dedupe state before it (`seen`)."""
+    rng = random.Random(7)
+    subjects = ["tides", "binary search", "sourdough", "jazz", "compilers", "prime numbers"]
+    out = []
+    for i in range(n):
+        s = subjects[i % len(subjects)]
+        msgs = [ChatMessage(role="user", content=f"Tell me about {s} (question {i}).")]
+        if i % 3 == 1:
+            msgs = [ChatMessage(role="system", content="Be brief."), *msgs]
+        if i % 5 == 2:
+            msgs = [ChatMessage(role="user", content="Hi"), ChatMessage(role="assistant", content="Hello."), *msgs]
+        answer = " ".join(f"{s.capitalize()} fact {rng.randint(1, 999)} is worth knowing." for _ in range(rng.randint(2, 9)))
+        kw: dict = {"reasoning": f"The user asks about {s}."}
+        if i % 17 == 3:
+            answer = "OK."  # below min_supervised_tokens
+        elif i % 19 == 4:
+            answer = "ha " * 120  # degenerate repetition
+        elif i % 23 == 5:
+            answer = ""  # empty: dropped before rendering
+        if i % 4 == 0:  # token-exact, and every 8th with a non-canonical first token (drift)
+            ids = tok(answer, add_special_tokens=False)["input_ids"]
+            if i % 8 == 0 and answer:
+                ids = tok(answer[0], add_special_tokens=False)["input_ids"] + tok(answer[1:], add_special_tokens=False)["input_ids"]
+            kw["output_ids"] = ids
+        if i % 29 == 6:
+            kw["finish_reason"] = "length"
+        out.append(CompletionRecord(run="r", prompt_id=f"p{i:04d}", messages=msgs, completion=answer, **kw))
+    out += [out[10], CompletionRecord(run="r", prompt_id="p0011", messages=out[11].messages, completion="Again.",
+                                      generation=1)]  # a duplicate in the shard; a regeneration
+    seen = {"p0020": 0, "p0021": 0, "p0022": 1}
+    out[22] = msgspec.structs.replace(out[22], generation=1)  # as old as what was emitted: a duplicate
+    out[21] = msgspec.structs.replace(out[21], generation=1)  # newer than what was emitted: fresh
+    return out, seen
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_a_shard_built_on_two_processes_equals_one_built_here(smol, qwen3, thinking):
+    import signal
+
+    from services.tokenizer.fingerprint import template_fingerprint
+    from services.tokenizer.pool import BuildPool
+
+    tok = qwen3 if thinking else smol
+    cfg = config(thinking, min_supervised_tokens=8, repetition_min_tail=64, truncated_policy="keep")
+    builder = SampleBuilder(tok, cfg)
+    records, seen = mixed_shard(tok)
+    here = builder.build(records, seen=seen)
+    drops = here.dropped()
+    assert {"duplicate", "below_min_supervised", "degenerate_repetition", "empty_answer"} <= set(drops), drops
+    assert here.drift and here.exact and len(here.samples) > 150
+    # One batched rendering equals rendering record by record.
+    items = [(r.messages, r.completion, r.reasoning) for r in records[:40] if r.completion]
+    assert builder.renderer.turns(items) == [builder.renderer.turn(*item) for item in items]
+
+    pool = BuildPool(tok, cfg, 2, template_fingerprint(tok, cfg))
+    try:
+        parts = pool.build(records[:100], builder.build_fresh)
+        assert len(parts) == 2 and sum(len(p.samples) for p in parts) == len(builder.build_fresh(records[:100]).samples)
+        pooled = builder.build(records, seen=seen, pool=pool)
+        assert pooled.samples == here.samples
+        assert (pooled.dropped(), pooled.drift, pooled.exact, pooled.outcomes) == (drops, here.drift, here.exact,
+                                                                                   here.outcomes)
+        # A worker killed (the OOM killer): the shard is built here instead, the same, and so are later ones.
+        for proc in list(pool._executor._processes.values()):
+            os.kill(proc.pid, signal.SIGKILL)
+        assert builder.build(records, seen=seen, pool=pool).samples == here.samples
+        assert pool._executor is None
+    finally:
+        pool.close()
 
 
 @pytest.mark.parametrize("train_on_reasoning", [True, False])

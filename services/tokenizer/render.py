@@ -122,6 +122,13 @@ class ChatRenderer:
             enable_thinking=self.enable_thinking,
         )
 
+    def render_many(self, conversations: list[list[dict[str, Any]]], *, add_generation_prompt: bool) -> list[str]:
+        """`render` for many conversations in one call (the template's per-call setup is paid once)."""
+        return self.tok.apply_chat_template(
+            conversations, tokenize=False, add_generation_prompt=add_generation_prompt,
+            enable_thinking=self.enable_thinking,
+        ) if conversations else []
+
     def encode(self, text: str) -> list[int]:
         return self.tok(text, add_special_tokens=False)["input_ids"]
 
@@ -202,22 +209,43 @@ class ChatRenderer:
 
     # --- one sample -----------------------------------------------------------------------------
 
+    def turns(self, items: list[tuple[list[ChatMessage], str, str | None]]) -> list[RenderedTurn | RenderMismatch]:
+        """Render completions (messages, content, reasoning) and split each into its pieces; a RenderMismatch
+        in place of a turn that does not fit its layout. One batched template call per kind for all of them."""
+        if not items:
+            return []
+        contexts = [[_message_dict(m) for m in messages] for messages, _, _ in items]
+        reasonings = [reasoning if self.render_reasoning and reasoning else None for _, _, reasoning in items]
+        prompts = self.render_many(contexts, add_generation_prompt=True)
+        fulls = self.render_many([[*c, self._assistant(content, r)] for c, (_, content, _), r
+                                  in zip(contexts, items, reasonings, strict=True)], add_generation_prompt=False)
+        out: list[RenderedTurn | RenderMismatch] = []
+        for context, (_, content, _), reasoning, prompt, full in zip(contexts, items, reasonings, prompts, fulls,
+                                                                     strict=True):
+            try:
+                out.append(self._fit(context, prompt, full, content, reasoning))
+            except RenderMismatch as e:
+                out.append(e)
+        return out
+
     def turn(self, messages: list[ChatMessage], content: str, reasoning: str | None) -> RenderedTurn:
-        """Render one completion and split it into its pieces; RenderMismatch if it does not fit the layout."""
-        context = [_message_dict(m) for m in messages]
-        with_reasoning = self.render_reasoning and bool(reasoning)
-        reasoning = reasoning if with_reasoning else None
-        key = (with_reasoning, tuple(m["role"] for m in context))
+        """One completion's pieces; RenderMismatch if it does not fit the layout."""
+        turn = self.turns([(messages, content, reasoning)])[0]
+        if isinstance(turn, RenderMismatch):
+            raise turn
+        return turn
+
+    def _fit(self, context: list[dict[str, Any]], prompt: str, full: str, content: str,
+             reasoning: str | None) -> RenderedTurn:
+        key = (reasoning is not None, tuple(m["role"] for m in context))
         layout = self._layouts.get(key)
-        prompt = self.render(context, add_generation_prompt=True)
-        full = self.render([*context, self._assistant(content, reasoning)], add_generation_prompt=False)
         try:
             if layout is None:
                 raise RenderMismatch("no layout yet")
             return self._split(prompt, full, layout, content, reasoning)
         except RenderMismatch:
             # The template may depend on the conversation: derive this sample's own layout and retry.
-            prompt_s, layout = self.layout_for(context, with_reasoning)
+            prompt_s, layout = self.layout_for(context, reasoning is not None)
             if prompt_s != prompt:
                 raise RenderMismatch("the generation prompt renders differently twice") from None
             turn = self._split(prompt, full, layout, content, reasoning)

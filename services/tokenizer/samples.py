@@ -18,13 +18,16 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shared.config import Config
 from shared.records import CompletionRecord, TokenizedSample, dedupe_completions
 
 from . import checks
 from .render import ChatRenderer, RenderedTurn, RenderMismatch
+
+if TYPE_CHECKING:
+    from .pool import BuildPool
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,12 @@ class ShardSamples:
 
     def dropped(self) -> dict[str, int]:
         return dict(Counter(d.reason for d in self.drops))
+
+    @classmethod
+    def merged(cls, parts: list[ShardSamples]) -> ShardSamples:
+        """Consecutive parts of one shard, built apart, as one."""
+        return cls(samples=[s for p in parts for s in p.samples], drops=[d for p in parts for d in p.drops],
+                   drift=sum(p.drift for p in parts), exact=sum(p.exact for p in parts))
 
 
 @dataclass
@@ -73,60 +82,68 @@ class SampleBuilder:
 
     # --- rendering ------------------------------------------------------------------------------
 
-    def _plan(self, rec: CompletionRecord, out: ShardSamples) -> _Plan | None:
-        reason = checks.precheck(rec, thinking=self.thinking, truncated_policy=self.truncated_policy)
-        if reason is None:
-            try:
-                turn = self.renderer.turn(rec.messages, rec.completion, rec.reasoning)
-            except RenderMismatch:
-                reason = checks.RENDER_MISMATCH
-        if reason is not None:
-            out.drops.append(Drop(rec.prompt_id, reason, rec.completion[:200]))
-            return None
-        pieces: list[tuple[str, int]] = [(turn.prompt + turn.pre, 0)]
-        if turn.head and self.train_on_reasoning:
-            pieces.append((turn.head + turn.answer, 1))
-        else:
-            if turn.head:
-                pieces.append((turn.head, 0))
-            pieces.append((turn.answer, 1))
-        pieces.append((turn.tail, 0))
-        return _Plan(rec, turn, pieces)
+    def _plans(self, records: list[CompletionRecord], out: ShardSamples) -> list[_Plan]:
+        """The records that pass the pre-checks and fit the template's layout, as pieces to tokenize."""
+        ready = []
+        for rec in records:
+            reason = checks.precheck(rec, thinking=self.thinking, truncated_policy=self.truncated_policy)
+            if reason is not None:
+                out.drops.append(Drop(rec.prompt_id, reason, rec.completion[:200]))
+            else:
+                ready.append(rec)
+        plans = []
+        turns = self.renderer.turns([(rec.messages, rec.completion, rec.reasoning) for rec in ready])
+        for rec, turn in zip(ready, turns, strict=True):
+            if isinstance(turn, RenderMismatch):
+                out.drops.append(Drop(rec.prompt_id, checks.RENDER_MISMATCH, rec.completion[:200]))
+                continue
+            pieces: list[tuple[str, int]] = [(turn.prompt + turn.pre, 0)]
+            if turn.head and self.train_on_reasoning:
+                pieces.append((turn.head + turn.answer, 1))
+            else:
+                if turn.head:
+                    pieces.append((turn.head, 0))
+                pieces.append((turn.answer, 1))
+            pieces.append((turn.tail, 0))
+            plans.append(_Plan(rec, turn, pieces))
+        return plans
 
     # --- building -------------------------------------------------------------------------------
 
     def build(
         self, records: list[CompletionRecord], *, seen: Mapping[str, int] | None = None, batched: bool = True,
+        pool: BuildPool | None = None,
     ) -> ShardSamples:
         """Samples for one shard, in record order. `seen` maps prompt_ids emitted before to the newest
         generation emitted: a record of that generation or older is a duplicate, a newer one (a
-        deliberate regeneration) is a fresh sample that replaces it on read."""
-        out = ShardSamples()
+        deliberate regeneration) is a fresh sample that replaces it on read. With a `pool`, the fresh
+        records are built in its processes (same samples, same drops, same order)."""
         keep = dedupe_completions([("", records)])
         seen = seen or {}
 
         def fresh(rec: CompletionRecord) -> bool:
             return keep.get(rec.prompt_id) is rec and rec.generation > seen.get(rec.prompt_id, -1)
 
-        plans: list[_Plan] = []
-        for rec in records:
-            if not fresh(rec):
-                out.drops.append(Drop(rec.prompt_id, checks.DUPLICATE, ""))
-                continue
-            plan = self._plan(rec, out)
-            if plan is not None:
-                plans.append(plan)
+        todo = [rec for rec in records if fresh(rec)]
+        if pool is None:
+            out = self.build_fresh(todo, batched=batched)
+        else:
+            out = ShardSamples.merged(pool.build(todo, lambda part: self.build_fresh(part, batched=batched)))
+        out.drops[:0] = [Drop(rec.prompt_id, checks.DUPLICATE, "") for rec in records if not fresh(rec)]
+        reasons = {d.prompt_id: d.reason for d in out.drops if d.reason != checks.DUPLICATE}
+        out.outcomes = [(r.prompt_id, reasons.get(r.prompt_id), r.completion[:200]) for r in todo]
+        return out
+
+    def build_fresh(self, records: list[CompletionRecord], *, batched: bool = True) -> ShardSamples:
+        """Samples for records already known to be fresh (no duplicates among them or before them)."""
+        out = ShardSamples()
+        plans = self._plans(records, out)
         texts = [t for p in plans for t, _ in p.pieces] + [p.turn.prompt for p in plans]
         encoded = self._encode_all(texts, batched)
         for plan in plans:
             sample = self._sample(plan, encoded, out)
             if sample is not None:
                 out.samples.append(sample)
-        reasons = {d.prompt_id: d.reason for d in out.drops if d.reason != checks.DUPLICATE}
-        out.outcomes = [
-            (r.prompt_id, reasons.get(r.prompt_id), r.completion[:200])
-            for r in records if fresh(r)
-        ]
         return out
 
     def _encode_all(self, texts: list[str], batched: bool) -> dict[str, list[int]]:

@@ -32,6 +32,7 @@ from shared.bus import Bus, Delivery, Poison, ProgressLoop, Retry, WorkStats, co
 from shared.config import Config
 from shared.messages import Alert, ShardWritten, Subjects, TokenizedShard, TokenizerProgress
 from shared.records import (
+    CompletionRecord,
     RecordError,
     read_completions,
     read_sample_generations,
@@ -50,7 +51,8 @@ from shared.store import (
 
 from . import gate as gatemod
 from .fingerprint import template_fingerprint
-from .samples import SampleBuilder
+from .pool import BuildPool, default_processes
+from .samples import SampleBuilder, ShardSamples
 
 log = logging.getLogger("dflash.tokenizer")
 
@@ -95,6 +97,8 @@ class TokenizerService:
         self.store = store
         self.worker = worker
         self.builder = SampleBuilder(tokenizer, cfg)  # TemplateError here: the template cannot give exact masks
+        self.processes = cfg.tokenizer.processes or default_processes()
+        self.pool: BuildPool | None = None  # started with the first shard, closed when serve() ends
         self.fingerprint = template_fingerprint(tokenizer, cfg)
         t = cfg.tokenizer
         self.gate = gatemod.QualityGate(t.gate_window, t.gate_threshold, t.gate_identical_threshold)
@@ -131,6 +135,12 @@ class TokenizerService:
             await self._warn_override("tokenizer.gate_override is set: a tripped quality gate will not stop this run")
         log.info("tokenizer for run %s: fingerprint %s, %d prompt_ids already tokenized", self.run,
                  self.fingerprint, len(self.seen))
+
+    def _build(self, records: list[CompletionRecord]) -> ShardSamples:
+        """In a worker thread: the shard's samples, on `processes` cores."""
+        if self.pool is None and self.processes > 1:
+            self.pool = BuildPool(self.builder.tok, self.cfg, self.processes, self.fingerprint)
+        return self.builder.build(records, seen=self.seen, pool=self.pool)
 
     def _saw(self, samples: Iterable[tuple[str, int]]) -> None:
         for prompt_id, generation in samples:
@@ -176,7 +186,7 @@ class TokenizerService:
         async with self._lock:  # one shard at a time through build -> gate -> write, in delivery order
             if self.tripped is not None:
                 raise GateTripped(self.tripped.message)
-            built = await asyncio.to_thread(self.builder.build, records, seen=self.seen)
+            built = await asyncio.to_thread(self._build, records)
             trial = self.gate.copy()
             verdict = trial.observe(built.outcomes)
             if verdict is not None and self.gate.verdict is None:
@@ -267,6 +277,13 @@ class TokenizerService:
 
     async def serve(self, stop: asyncio.Event, *, burst: bool = False, progress_every_s: float = 5.0) -> WorkStats:
         """Consume until `stop` (or, with burst, until nothing is left); a tripped gate ends consuming."""
+        try:
+            return await self._serve(stop, burst=burst, progress_every_s=progress_every_s)
+        finally:
+            if self.pool is not None:
+                await asyncio.to_thread(self.pool.close)
+
+    async def _serve(self, stop: asyncio.Event, *, burst: bool, progress_every_s: float) -> WorkStats:
         self.stop = stop
         spec = consumer_for("tokenize", self.run, ack_wait_s=60.0, max_ack_pending=self.cfg.tokenizer.max_ack_pending)
         stats = WorkStats()
