@@ -124,12 +124,15 @@ class SampleBuilder:
         def fresh(rec: CompletionRecord) -> bool:
             return keep.get(rec.prompt_id) is rec and rec.generation > seen.get(rec.prompt_id, -1)
 
-        todo = [rec for rec in records if fresh(rec)]
+        todo: list[CompletionRecord] = []
+        duplicates = []
+        for rec in records:
+            (todo if fresh(rec) else duplicates).append(rec)
         if pool is None:
             out = self.build_fresh(todo, batched=batched)
         else:
             out = ShardSamples.merged(pool.build(todo, lambda part: self.build_fresh(part, batched=batched)))
-        out.drops[:0] = [Drop(rec.prompt_id, checks.DUPLICATE, "") for rec in records if not fresh(rec)]
+        out.drops[:0] = [Drop(rec.prompt_id, checks.DUPLICATE, "") for rec in duplicates]
         reasons = {d.prompt_id: d.reason for d in out.drops if d.reason != checks.DUPLICATE}
         out.outcomes = [(r.prompt_id, reasons.get(r.prompt_id), r.completion[:200]) for r in todo]
         return out
