@@ -327,3 +327,35 @@ def test_token_exact_thinking_records_equal_the_text_path(qwen3, train_on_reason
     exact = msgspec.structs.replace(rec, output_ids=text.input_ids[len(prompt_ids):eot])
     built = builder.build([exact])
     assert built.samples == [text] and built.exact == 1 and built.drift == 0
+
+
+# A guard of the kind Llama-2/Mistral/Gemma templates carry: roles must alternate, else raise_exception.
+ALTERNATING = (
+    "{%- for message in messages %}"
+    "{%- if message.role != 'system' and (message.role == 'user') != (loop.index0 % 2 == (1 if messages[0].role"
+    " == 'system' else 0)) %}"
+    "{{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+)
+
+
+def test_a_conversation_the_template_refuses_is_one_drop_not_a_failed_shard(smol):
+    """A template that raises for one prompt (two user turns in a row, here) drops that sample with the
+    template's message, in the gate's examples too; the shard's other samples are built as before."""
+    tok = copy.deepcopy(smol)
+    tok.chat_template = ALTERNATING + smol.chat_template
+    builder = SampleBuilder(tok, config(False))
+    good = [CompletionRecord(run="r", prompt_id=f"p{i}", messages=[ChatMessage(role="user", content=f"Count to {i}.")],
+                             completion=" ".join(str(j) for j in range(1, i + 2)) + ".") for i in range(6)]
+    bad = CompletionRecord(run="r", prompt_id="bad", completion="Sure.", messages=[
+        ChatMessage(role="user", content="Hi."), ChatMessage(role="user", content="Count to three.")])
+    with pytest.raises(Exception, match="roles must alternate"):
+        builder.renderer.render_many([[{"role": m.role, "content": m.content} for m in bad.messages]],
+                                     add_generation_prompt=True)
+    built = builder.build([*good[:3], bad, *good[3:]])
+    assert built.dropped() == {"template_error": 1}
+    assert built.samples == builder.build(good).samples
+    assert built.samples == SampleBuilder(smol, config(False)).build(good).samples  # the guard changes no rendering
+    (outcome,) = [o for o in built.outcomes if o[0] == "bad"]
+    assert outcome[1] == "template_error" and "roles must alternate" in outcome[2]

@@ -2,7 +2,8 @@
 
 Order (the first that applies is the reason): the generation was cut by max_new_tokens
 (`truncated_generation`, under truncated_policy="drop"), the answer is empty (`empty_answer`),
-thinking was on but the reasoning is empty (`empty_reasoning`), the sample does not fit the
+thinking was on but the reasoning is empty (`empty_reasoning`), the chat template raises on the
+conversation (`template_error`: e.g. roles it does not accept), the sample does not fit the
 template (`render_mismatch`), fewer supervised tokens than `min_supervised_tokens`
 (`below_min_supervised`, the "OK." incident), the answer ends in a loop (`degenerate_repetition`).
 A prompt_id already emitted (at this generation or a newer one) is `duplicate` (dedupe, not a
@@ -17,13 +18,14 @@ from shared.records import CompletionRecord
 TRUNCATED_GENERATION = "truncated_generation"
 EMPTY_ANSWER = "empty_answer"
 EMPTY_REASONING = "empty_reasoning"
+TEMPLATE_ERROR = "template_error"
 RENDER_MISMATCH = "render_mismatch"
 BELOW_MIN_SUPERVISED = "below_min_supervised"
 DEGENERATE_REPETITION = "degenerate_repetition"
 DUPLICATE = "duplicate"
 
 QUALITY_REASONS = (
-    TRUNCATED_GENERATION, EMPTY_ANSWER, EMPTY_REASONING, RENDER_MISMATCH, BELOW_MIN_SUPERVISED,
+    TRUNCATED_GENERATION, EMPTY_ANSWER, EMPTY_REASONING, TEMPLATE_ERROR, RENDER_MISMATCH, BELOW_MIN_SUPERVISED,
     DEGENERATE_REPETITION,
 )
 

@@ -42,6 +42,11 @@ class RenderMismatch(ValueError):
     """One sample's real rendering does not fit its template layout (counted as a drop, not fatal)."""
 
 
+class TemplateRaised(RenderMismatch):
+    """The template itself refused one conversation (a `raise_exception` for roles it does not accept, a
+    content type it cannot print): that sample is dropped with the template's message, the shard goes on."""
+
+
 @dataclass(frozen=True)
 class Layout:
     """Where the regenerated turn's pieces sit, relative to the end of the generation prompt."""
@@ -216,16 +221,35 @@ class ChatRenderer:
             return []
         contexts = [[_message_dict(m) for m in messages] for messages, _, _ in items]
         reasonings = [reasoning if self.render_reasoning and reasoning else None for _, _, reasoning in items]
-        prompts = self.render_many(contexts, add_generation_prompt=True)
-        fulls = self.render_many([[*c, self._assistant(content, r)] for c, (_, content, _), r
-                                  in zip(contexts, items, reasonings, strict=True)], add_generation_prompt=False)
+        prompts = self._render_each(contexts, add_generation_prompt=True)
+        fulls = self._render_each([[*c, self._assistant(content, r)] for c, (_, content, _), r
+                                   in zip(contexts, items, reasonings, strict=True)], add_generation_prompt=False)
         out: list[RenderedTurn | RenderMismatch] = []
         for context, (_, content, _), reasoning, prompt, full in zip(contexts, items, reasonings, prompts, fulls,
                                                                      strict=True):
+            if isinstance(prompt, TemplateRaised) or isinstance(full, TemplateRaised):
+                out.append(prompt if isinstance(prompt, TemplateRaised) else full)
+                continue
             try:
                 out.append(self._fit(context, prompt, full, content, reasoning))
             except RenderMismatch as e:
                 out.append(e)
+        return out
+
+    def _render_each(self, conversations: list[list[dict[str, Any]]], *,
+                     add_generation_prompt: bool) -> list[str | TemplateRaised]:
+        """`render_many`, except that a conversation the template raises on gets a TemplateRaised in its place
+        (the batch is rendered again one by one to find which), so one bad prompt never fails its shard."""
+        try:
+            return list(self.render_many(conversations, add_generation_prompt=add_generation_prompt))
+        except Exception:  # the template is user code: anything it raises is one sample's drop
+            pass
+        out: list[str | TemplateRaised] = []
+        for conversation in conversations:
+            try:
+                out.append(self.render(conversation, add_generation_prompt=add_generation_prompt))
+            except Exception as e:
+                out.append(TemplateRaised(f"the chat template raised {type(e).__name__}: {e}"))
         return out
 
     def turn(self, messages: list[ChatMessage], content: str, reasoning: str | None) -> RenderedTurn:

@@ -24,7 +24,7 @@ from shared.config import Config
 from shared.records import CompletionRecord, TokenizedSample, dedupe_completions
 
 from . import checks
-from .render import ChatRenderer, RenderedTurn, RenderMismatch
+from .render import ChatRenderer, RenderedTurn, RenderMismatch, TemplateRaised
 
 if TYPE_CHECKING:
     from .pool import BuildPool
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 class Drop:
     prompt_id: str
     reason: str
-    example: str  # the start of the answer, for alerts
+    example: str  # the start of the answer (the template's message for template_error), for alerts
     num_supervised: int | None = None  # known when dropped after tokenizing (the histogram shows the spike)
 
 
@@ -94,6 +94,9 @@ class SampleBuilder:
         plans = []
         turns = self.renderer.turns([(rec.messages, rec.completion, rec.reasoning) for rec in ready])
         for rec, turn in zip(ready, turns, strict=True):
+            if isinstance(turn, TemplateRaised):
+                out.drops.append(Drop(rec.prompt_id, checks.TEMPLATE_ERROR, str(turn)[:200]))
+                continue
             if isinstance(turn, RenderMismatch):
                 out.drops.append(Drop(rec.prompt_id, checks.RENDER_MISMATCH, rec.completion[:200]))
                 continue
@@ -133,8 +136,9 @@ class SampleBuilder:
         else:
             out = ShardSamples.merged(pool.build(todo, lambda part: self.build_fresh(part, batched=batched)))
         out.drops[:0] = [Drop(rec.prompt_id, checks.DUPLICATE, "") for rec in duplicates]
-        reasons = {d.prompt_id: d.reason for d in out.drops if d.reason != checks.DUPLICATE}
-        out.outcomes = [(r.prompt_id, reasons.get(r.prompt_id), r.completion[:200]) for r in todo]
+        dropped = {d.prompt_id: d for d in out.drops if d.reason != checks.DUPLICATE}
+        out.outcomes = [(r.prompt_id, d.reason, d.example) if (d := dropped.get(r.prompt_id)) else
+                        (r.prompt_id, None, r.completion[:200]) for r in todo]
         return out
 
     def build_fresh(self, records: list[CompletionRecord], *, batched: bool = True) -> ShardSamples:
