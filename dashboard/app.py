@@ -141,9 +141,9 @@ def generators_panel(rs: sv.RunState, now: float, silent_after_s: float) -> None
                      hide_index=True)
 
 
-def quality_panel(rs: sv.RunState) -> None:
+def quality_panel(rs: sv.RunState, durable: DurableCounts | None) -> None:
     st.header("Data quality")
-    q = sv.quality_view(rs)
+    q = sv.quality_view(rs, durable)
     for alert in q.gate_alerts[-3:]:
         st.error(f"Quality gate tripped: {alert.message}")
         if alert.examples:
@@ -152,7 +152,7 @@ def quality_panel(rs: sv.RunState) -> None:
                     st.code(ex, language=None)
     if q.gate_tripped and not q.gate_alerts:
         st.error("Quality gate tripped (reported by the tokenizer; no alert text yet).")
-    if not sv.workers_of(rs, "tokenize"):
+    if not sv.workers_of(rs, "tokenize") and not (durable and durable.tokenized_shards):
         st.caption("No tokenizer has reported yet.")
         return
     cols = st.columns(4)
@@ -294,7 +294,7 @@ def main() -> None:
         silent_after_s = cfg.dashboard.silent_after_s
         run_overview(rs, now, manifest, snap.durable.get(run), silent_after_s)
         generators_panel(rs, now, silent_after_s)
-        quality_panel(rs)
+        quality_panel(rs, snap.durable.get(run))
         trainer_panel(rs)
         failures_panel(snap, run, listener)
         stack_health_panel(snap, cfg, manifest)

@@ -9,7 +9,7 @@ events are cumulative per worker, so a stage's total is the sum of its workers' 
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -274,26 +274,27 @@ class QualityView:
     gate_alerts: list[Alert]
 
 
-def quality_view(rs: RunState) -> QualityView:
+def quality_view(rs: RunState, durable: DurableCounts | None = None) -> QualityView:
+    """The tokenized data's quality: from the run's TokenizedShard events (`durable`) once there are any, so
+    a restarted tokenizer does not start the panel at zero; before that, from the tokenizers' counters."""
     tok = workers_of(rs, "tokenize")
-    hist: dict[int, int] = {}
-    dropped: dict[str, int] = {}
-    for w in tok:
-        m: TokenizerProgress = w.latest  # type: ignore[assignment]
-        for bucket, n in m.supervised_histogram.items():
-            hist[int(float(bucket))] = hist.get(int(float(bucket)), 0) + n
-        for reason, n in m.dropped.items():
-            dropped[reason] = dropped.get(reason, 0) + n
     gate = [a for a in rs.alerts if a.kind == "quality_gate"]
+    tripped = any(w.latest.gate_tripped for w in tok) or bool(gate)  # type: ignore[union-attr]
+    if durable is not None and durable.tokenized_shards > 0:
+        hist, dropped = Counter(durable.histogram), Counter(durable.dropped)
+        samples_in, kept, supervised, drift = durable.samples_in, durable.kept, durable.supervised_tokens, durable.drift
+    else:
+        hist, dropped = Counter(), Counter()
+        for w in tok:
+            m: TokenizerProgress = w.latest  # type: ignore[assignment]
+            hist.update(m.supervised_histogram)
+            dropped.update(m.dropped)
+        samples_in, kept = _sum_latest(tok, lambda m: m.samples_in), _sum_latest(tok, lambda m: m.samples_kept)
+        supervised, drift = _sum_latest(tok, lambda m: m.supervised_tokens), _sum_latest(tok, lambda m: m.retokenization_drift)
     return QualityView(
-        samples_in=_sum_latest(tok, lambda m: m.samples_in),
-        samples_kept=_sum_latest(tok, lambda m: m.samples_kept),
-        supervised_tokens=_sum_latest(tok, lambda m: m.supervised_tokens),
-        histogram=sorted(hist.items()),
-        dropped=dict(sorted(dropped.items(), key=lambda kv: -kv[1])),
-        drift=_sum_latest(tok, lambda m: m.retokenization_drift),
-        gate_tripped=any(w.latest.gate_tripped for w in tok) or bool(gate),  # type: ignore[union-attr]
-        gate_alerts=gate,
+        samples_in=samples_in, samples_kept=kept, supervised_tokens=supervised,
+        histogram=sorted((int(float(b)), n) for b, n in hist.items()), dropped=dict(dropped.most_common()),
+        drift=drift, gate_tripped=tripped, gate_alerts=gate,
     )
 
 

@@ -91,8 +91,9 @@ class TokenizedShard(Message, tag="tokenized_shard"):
     num_tokens: int
     num_supervised: int
     sha256: str
-    dropped: dict[str, int] = {}
+    dropped: dict[str, int] = {}  # reason -> records of the source shard not kept (duplicates included)
     retokenization_drift: int = 0
+    supervised_histogram: dict[str, int] = {}  # supervised tokens per sample, power-of-two bucket -> samples
 
 
 # --- progress ----------------------------------------------------------------------------------

@@ -160,9 +160,26 @@ SAMPLE_SCHEMA = pa.schema([
 ])
 
 
-def samples_to_parquet(samples: list[TokenizedSample]) -> bytes:
+SUMMARY_KEY = b"dflash.summary"
+
+
+def samples_to_parquet(samples: list[TokenizedSample], summary: dict[str, Any] | None = None) -> bytes:
+    """`summary` (JSON-able: what the shard's build dropped and why) rides in the file's schema metadata, so
+    an event announcing the shard can be made again from the object alone, drops included."""
     cols: dict[str, list[Any]] = {name: [getattr(s, name) for s in samples] for name in SAMPLE_SCHEMA.names}
-    return _to_parquet(pa.Table.from_pydict(cols, schema=SAMPLE_SCHEMA))
+    table = pa.Table.from_pydict(cols, schema=SAMPLE_SCHEMA)
+    if summary is not None:
+        table = table.replace_schema_metadata({**(table.schema.metadata or {}), SUMMARY_KEY: msgspec.json.encode(summary)})
+    return _to_parquet(table)
+
+
+def read_samples_summary(data: bytes) -> dict[str, Any]:
+    """The summary written with a tokenized shard ({} for shards written without one)."""
+    try:
+        meta = pq.read_schema(io.BytesIO(data)).metadata or {}
+    except (pa.ArrowInvalid, OSError) as e:
+        raise RecordError(f"not a readable Parquet tokenized shard: {e}") from None
+    return msgspec.json.decode(meta[SUMMARY_KEY]) if SUMMARY_KEY in meta else {}
 
 
 def read_samples(data: bytes) -> list[TokenizedSample]:

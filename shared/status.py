@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
-from collections import deque
-from dataclasses import dataclass
+from collections import Counter, deque
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -27,7 +27,6 @@ from shared.messages import (
     ShardWritten,
     Subjects,
     TokenizedShard,
-    TokenizerProgress,
     TrainerProgress,
 )
 from shared.store import Keys, Store
@@ -47,6 +46,13 @@ class DurableCounts:
     kept: int  # training samples in the latest tokenized shard of each completion shard
     completed_points: tuple[tuple[float, int], ...]  # (event ts, completed) per shard, the latest POINTS
     tokenized_points: tuple[tuple[float, int], ...]  # (event ts, tokenized_shards)
+    # Data quality over the same latest tokenized shards: records in, supervised tokens kept, drops by reason,
+    # supervised tokens per sample (bucket -> samples), token-exact records whose text re-tokenizes otherwise.
+    samples_in: int = 0
+    supervised_tokens: int = 0
+    dropped: dict[str, int] = field(default_factory=dict)
+    histogram: dict[str, int] = field(default_factory=dict)
+    drift: int = 0
 
 
 class DurableLog:
@@ -62,7 +68,8 @@ class DurableLog:
         self.prompts: set[int] = set()
         self.shard_keys: set[str] = set()
         self.records = 0
-        self.kept: dict[str, int] = {}  # completion shard key -> samples in its latest tokenized shard
+        self._tokenized: dict[str, TokenizedShard] = {}  # completion shard key -> its latest tokenized shard
+        self._quality = _QualityTotals()  # summed over self._tokenized, kept current event by event
         self.completed_points: deque[tuple[float, int]] = deque(maxlen=POINTS)
         self.tokenized_points: deque[tuple[float, int]] = deque(maxlen=POINTS)
 
@@ -79,14 +86,40 @@ class DurableLog:
             self.prompts.update(hash(p) for p in event.prompt_ids)
             self.completed_points.append((event.ts, self.completed))
         else:
-            new = event.source_key not in self.kept
-            self.kept[event.source_key] = event.num_samples
-            if new:
-                self.tokenized_points.append((event.ts, len(self.kept)))
+            previous = self._tokenized.get(event.source_key)
+            if previous is not None:
+                self._quality.add(previous, -1)
+            self._tokenized[event.source_key] = event
+            self._quality.add(event, 1)
+            if previous is None:
+                self.tokenized_points.append((event.ts, len(self._tokenized)))
 
     def counts(self) -> DurableCounts:
-        return DurableCounts(self.completed, self.records, len(self.shard_keys), len(self.kept),
-                             sum(self.kept.values()), tuple(self.completed_points), tuple(self.tokenized_points))
+        q = self._quality
+        return DurableCounts(
+            self.completed, self.records, len(self.shard_keys), len(self._tokenized), q.kept, tuple(self.completed_points),
+            tuple(self.tokenized_points), samples_in=q.samples_in, supervised_tokens=q.supervised_tokens,
+            dropped=dict(+q.dropped), histogram=dict(+q.histogram), drift=q.drift,
+        )
+
+
+@dataclass
+class _QualityTotals:
+    kept: int = 0
+    samples_in: int = 0
+    supervised_tokens: int = 0
+    drift: int = 0
+    dropped: Counter[str] = field(default_factory=Counter)
+    histogram: Counter[str] = field(default_factory=Counter)
+
+    def add(self, e: TokenizedShard, sign: int) -> None:
+        self.kept += sign * e.num_samples
+        self.samples_in += sign * (e.num_samples + sum(e.dropped.values()))
+        self.supervised_tokens += sign * e.num_supervised
+        self.drift += sign * e.retokenization_drift
+        for counter, items in ((self.dropped, e.dropped), (self.histogram, e.supervised_histogram)):
+            for k, n in items.items():
+                counter[k] += sign * n
 
 
 class RunStatus(msgspec.Struct, kw_only=True):
@@ -121,6 +154,9 @@ async def run_status(cfg: Config, bus: Bus, store: Store | None) -> RunStatus:
     log = DurableLog()
     async for _, event in bus.replay("SHARDS", Subjects.shards(run), 1, ShardWritten):
         log.add(event)
+    async for _, event in bus.replay("TOKENIZED", Subjects.tokenized(run), 1, TokenizedShard):
+        log.add(event)
+    st.tokenized_samples = log.counts().kept
     st.completed, st.shards, st.completion_records = log.completed, len(log.shard_keys), log.records
     try:
         info = await bus.js.consumer_info("PROMPTS", f"generate-{run}")
@@ -143,8 +179,6 @@ async def run_status(cfg: Config, bus: Bus, store: Store | None) -> RunStatus:
             if live:
                 st.completion_tokens_per_s += p.completion_tokens_per_s
                 st.completions_per_s += p.completions_per_s
-        elif isinstance(p, TokenizerProgress):
-            st.tokenized_samples += p.samples_kept
         elif isinstance(p, TrainerProgress):
             st.trainer_step = max(st.trainer_step or 0, p.step)
     remaining = max(0, st.total - st.completed)

@@ -95,17 +95,27 @@ def shard_events(run: str, now: float) -> list[tuple[str, Message]]:
                             num_records=n, prompt_ids=[f"p{i}" for i in range(first, first + n)], sha256="0" * 64,
                             size_bytes=1000, ts=ts)
 
-    def tokenized(source: ShardWritten, fingerprint: str, samples: int, ts: float) -> TokenizedShard:
+    def tokenized(source: ShardWritten, fingerprint: str, samples: int, ts: float, dropped: dict[str, int],
+                  drift: int) -> TokenizedShard:
+        assert samples + sum(dropped.values()) == source.num_records
+        hist = {"64": samples - 1, "4": 1 + dropped.get("below_min_supervised", 0)}
         return TokenizedShard(run=run, key=f"runs/{run}/tokenized/{fingerprint}/{source.seq}.parquet",
                               source_key=source.key, fingerprint=fingerprint, num_samples=samples, num_tokens=100,
-                              num_supervised=50, sha256="0" * 64, ts=ts)
+                              num_supervised=50, sha256="0" * 64, dropped=dropped, retokenization_drift=drift,
+                              supervised_histogram=hist, ts=ts)
 
     a, b, c = written("w0/0", 0, 30, now - 100), written("w0/1", 30, 20, now - 50), written("w1/0", 45, 13, now - 10)
     return [(Subjects.shards(run), e) for e in (a, b, b, c)] + [
-        (Subjects.tokenized(run), tokenized(a, "fp1", 25, now - 90)),
-        (Subjects.tokenized(run), tokenized(b, "fp1", 18, now - 40)),
-        (Subjects.tokenized(run), tokenized(a, "fp2", 24, now - 8)),
+        (Subjects.tokenized(run), tokenized(a, "fp1", 25, now - 90, {"below_min_supervised": 5}, 2)),
+        (Subjects.tokenized(run), tokenized(b, "fp1", 18, now - 40, {"below_min_supervised": 1, "duplicate": 1}, 1)),
+        (Subjects.tokenized(run), tokenized(a, "fp2", 24, now - 8, {"below_min_supervised": 4, "template_error": 2}, 0)),
     ]
+
+
+# The data quality the shard events above give (the latest tokenized shard of w0/0 and of w0/1).
+SHARD_QUALITY = {"samples_in": 30 + 20, "samples_kept": 24 + 18, "supervised_tokens": 100, "drift": 1,
+                 "dropped": {"below_min_supervised": 5, "template_error": 2, "duplicate": 1},
+                 "histogram": [(4, 5 + 2), (64, 23 + 17)]}
 
 
 async def publish(bus: Bus, events: list[tuple[str, Message]]) -> None:

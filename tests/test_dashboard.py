@@ -28,7 +28,7 @@ from shared.messages import (
 from shared.stack import EmbeddedStack, Ports, free_port
 from shared.status import DurableLog
 from tests.conftest import new_run
-from tests.dashboard_events import SILENT_WORKER, initial_events, publish, shard_events
+from tests.dashboard_events import SHARD_QUALITY, SILENT_WORKER, initial_events, publish, shard_events
 
 ROOT = Path(__file__).resolve().parents[1]
 APP = ROOT / "dashboard" / "app.py"
@@ -113,9 +113,13 @@ def test_fold_real_events_into_view_model():
     assert [w.worker for w in sv.silent_workers(rs, now, 60)] == [SILENT_WORKER]
     reasons, truncated = sv.finish_reasons(rs)
     assert reasons == {"stop": 61, "length": 4} and truncated == pytest.approx(100 * 4 / 65)
-    q = sv.quality_view(rs)
+    q = sv.quality_view(rs)  # no shard events: the tokenizer's counters
     assert q.histogram == [(0, 6), (64, 20), (256, 24)] and q.dropped == {"truncated": 4, "too_few_supervised": 2}
     assert q.gate_tripped and q.gate_alerts[0].examples and q.drift == 3
+    q = sv.quality_view(rs, log.counts())  # the latest tokenized shard of each completion shard
+    assert {k: getattr(q, k) for k in SHARD_QUALITY} == SHARD_QUALITY
+    assert list(q.dropped) == ["below_min_supervised", "template_error", "duplicate"]  # most first
+    assert q.gate_tripped and q.gate_alerts[0].examples
     assert sv.checkpoint_rows(rs)[0]["S3 key"] == ev.checkpoint_key
     assert sv.eval_rows(rs)[0]["τ"] == 2.1
     assert sv.elapsed_s(rs, now) == pytest.approx(900, abs=1)
@@ -139,6 +143,9 @@ def test_redeliveries_and_restarts_do_not_move_the_stage_counts():
     assert (counted["generate"], counted["tokenize"]) == (70, 0)  # what the counters alone show
     exact = {t.stage: t.done for t in sv.stage_totals(runs[run], now, durable=log.counts())}
     assert (exact["generate"], exact["tokenize"]) == (50, 1)
+    assert sv.quality_view(runs[run]).samples_in == 0  # the restarted tokenizer's counters
+    q = sv.quality_view(runs[run], log.counts())
+    assert (q.samples_in, q.samples_kept, q.dropped) == (30, 25, {"below_min_supervised": 5})
 
 
 def test_history_stays_bounded_and_keeps_the_latest():
@@ -169,7 +176,10 @@ async def test_page_shows_counts_gate_silent_worker_and_dead_letters(stack, page
     assert m["fed"] == "100 / 100"
     assert m["tokenized shards"] == f"{ev.tokenized_shards} / {ev.shards}"
     assert m["trained (samples seen)"] == f"{ev.trained} / {ev.kept}"
-    assert m["samples kept"] == "44" and m["retokenization drift"] == "3"
+    assert m["samples in"] == f"{SHARD_QUALITY['samples_in']}" and m["samples kept"] == f"{ev.kept}"
+    assert m["retokenization drift"] == f"{SHARD_QUALITY['drift']}"
+    dropped = next(d.value for d in at.dataframe if "dropped" in d.value.columns)
+    assert dict(zip(dropped["reason"], dropped["dropped"], strict=True)) == SHARD_QUALITY["dropped"]
     assert m["step"] == "20" and m["estimated τ"] == "1.90"
     assert m["truncated (finish_reason=length)"] == f"{100 * 4 / 65:.1f}%"
     errors = texts(at.error)

@@ -27,7 +27,13 @@ from services.tokenizer.service import run_service, shard_name
 from shared.bus import Bus
 from shared.config import Config
 from shared.messages import Alert, ShardWritten, Subjects, TokenizedShard, TokenizerProgress
-from shared.records import ChatMessage, CompletionRecord, completions_to_parquet, read_samples
+from shared.records import (
+    ChatMessage,
+    CompletionRecord,
+    completions_to_parquet,
+    read_samples,
+    read_samples_summary,
+)
 from shared.store import SHA_META, Keys, Store, sha256_bytes
 from tests.conftest import make_config
 
@@ -189,6 +195,10 @@ async def test_normal_run_writes_one_loadable_deduped_shard_per_completion_shard
         assert ev.fingerprint == fp and ev.key in keys
         assert ev.num_tokens == int(df["num_tokens"].sum()) and ev.num_supervised == int(df["num_supervised"].sum())
         assert ev.sha256 == store.stat(ev.key).sha256
+        # the histogram counts the kept samples and those dropped after tokenizing ("ok"), not duplicates
+        assert sum(ev.supervised_histogram.values()) == ev.num_samples + ev.dropped.get("below_min_supervised", 0)
+    assert e1.supervised_histogram["2"] == 1  # "OK." + <|im_end|>: 3 supervised tokens
+
 
     # Masks: decoding the masked tokens gives the assistant's answer plus the end-of-turn token, nothing else.
     rows = {r["prompt_id"]: r for r in ds}
@@ -213,6 +223,16 @@ async def test_normal_run_writes_one_loadable_deduped_shard_per_completion_shard
     assert (p.shards, p.samples_in, p.samples_kept, p.retokenization_drift, p.state) == (3, 16, 13, 1, "stopped")
     assert p.dropped == {"duplicate": 1, "below_min_supervised": 1, "truncated_generation": 1}
     assert not p.gate_tripped
+
+    # Each shard holds its build's summary, from which a re-announcement is made: a restarted tokenizer whose
+    # rebuilds differ from the stored shards (every prompt is a duplicate now) announces the stored ones.
+    for ev in (e0, e1, e2):
+        assert read_samples_summary(store.get_bytes(ev.key)) == {
+            "dropped": ev.dropped, "retokenization_drift": ev.retokenization_drift,
+            "supervised_histogram": ev.supervised_histogram}
+    await bus.js.delete_consumer("SHARDS", f"tokenize-{run}")
+    again = await burst(cfg, tok)
+    assert again.counts.skipped_shards == 3 and again.counts.shards == 0
 
 
 async def test_a_deliberate_regeneration_replaces_the_old_sample(stack, bus, store):

@@ -34,9 +34,11 @@ from shared.messages import Alert, ShardWritten, Subjects, TokenizedShard, Token
 from shared.records import (
     CompletionRecord,
     RecordError,
+    TokenizedSample,
     read_completions,
     read_sample_generations,
     read_samples,
+    read_samples_summary,
     samples_to_parquet,
 )
 from shared.store import (
@@ -66,6 +68,15 @@ def shard_name(completions_key: str) -> str:
 def histogram_bucket(n: int) -> str:
     """Power-of-two lower bound: 0, 1, 2, 4, 8, ... (the "OK." incident is a spike in bucket 4)."""
     return "0" if n <= 0 else str(2 ** int(math.log2(n)))
+
+
+def shard_summary(built: ShardSamples) -> dict[str, Any]:
+    """What a shard's build dropped and why, and its histogram (kept samples and those dropped after
+    tokenizing): stored with the shard and carried by its TokenizedShard event, so the data-quality
+    numbers are rebuilt from the shard log, through tokenizer restarts."""
+    hist = Counter(histogram_bucket(s.num_supervised) for s in built.samples)
+    hist.update(histogram_bucket(d.num_supervised) for d in built.drops if d.num_supervised is not None)
+    return {"dropped": built.dropped(), "retokenization_drift": built.drift, "supervised_histogram": dict(hist)}
 
 
 class GateTripped(Exception):
@@ -193,18 +204,13 @@ class TokenizerService:
                 await self._on_trip(verdict)
                 if not self.override:
                     raise GateTripped(verdict.reason)
-            payload = samples_to_parquet(built.samples)
+            summary = shard_summary(built)
+            payload = samples_to_parquet(built.samples, summary)
             try:
                 info, _ = await asyncio.to_thread(self.store.put_new, key, payload)
             except ObjectConflict:  # another worker wrote this shard first (different dedupe history): theirs stands
                 return await self._republish(ev, key)
-            event = TokenizedShard(
-                run=self.run, key=key, source_key=ev.key, fingerprint=self.fingerprint,
-                num_samples=len(built.samples), num_tokens=sum(s.num_tokens for s in built.samples),
-                num_supervised=sum(s.num_supervised for s in built.samples), sha256=info.sha256,
-                dropped=built.dropped(), retokenization_drift=built.drift,
-            )
-            await self.bus.publish(Subjects.tokenized(self.run), event, msg_id=key)
+            event = await self._announce(ev, key, built.samples, info.sha256, summary)
             self.gate = trial
             self._saw((s.prompt_id, s.generation) for s in built.samples)
             c = self.counts
@@ -216,8 +222,7 @@ class TokenizerService:
             c.drift += built.drift
             c.exact += built.exact
             c.dropped.update(built.dropped())
-            c.histogram.update(histogram_bucket(s.num_supervised) for s in built.samples)
-            c.histogram.update(histogram_bucket(d.num_supervised) for d in built.drops if d.num_supervised is not None)
+            c.histogram.update(summary["supervised_histogram"])
             log.info("%s: %d/%d samples kept, %d tokens (%d supervised), drift %d, dropped %s", key,
                      len(built.samples), len(records), event.num_tokens, event.num_supervised, built.drift,
                      dict(built.dropped()) or "none")
@@ -238,14 +243,19 @@ class TokenizerService:
         """The output exists: publish its event again from the stored shard (a duplicate msg id is a no-op)."""
         data = await asyncio.to_thread(self.store.get_bytes, key)
         samples = read_samples(data)
+        event = await self._announce(ev, key, samples, sha256_bytes(data), read_samples_summary(data))
+        self._saw((s.prompt_id, s.generation) for s in samples)
+        self.counts.skipped_shards += 1
+        return event
+
+    async def _announce(self, ev: ShardWritten, key: str, samples: list[TokenizedSample], sha256: str,
+                        summary: dict[str, Any]) -> TokenizedShard:
         event = TokenizedShard(
             run=self.run, key=key, source_key=ev.key, fingerprint=self.fingerprint, num_samples=len(samples),
             num_tokens=sum(s.num_tokens for s in samples), num_supervised=sum(s.num_supervised for s in samples),
-            sha256=sha256_bytes(data),
+            sha256=sha256, **summary,
         )
         await self.bus.publish(Subjects.tokenized(self.run), event, msg_id=key)
-        self._saw((s.prompt_id, s.generation) for s in samples)
-        self.counts.skipped_shards += 1
         return event
 
     async def _on_trip(self, verdict: gatemod.GateVerdict) -> None:
