@@ -387,6 +387,11 @@ class Bus:
         await self.ensure_consumer(spec)
         sub = await self.js.pull_subscribe_bind(durable=spec.durable, stream=spec.stream)
         tasks: set[asyncio.Task[None]] = set()
+
+        def finished(task: asyncio.Task[None]) -> None:
+            tasks.discard(task)
+            stats.in_flight = len(tasks)  # now, not at the next fetch that returns messages (a burst waits on it)
+
         stop_wait = asyncio.create_task(stop.wait())
         try:
             while not stop.is_set():
@@ -409,7 +414,7 @@ class Bus:
                         continue
                     task = asyncio.create_task(self._handle_one(spec, handle, m, run, message_type, stats))
                     tasks.add(task)
-                    task.add_done_callback(tasks.discard)
+                    task.add_done_callback(finished)
                 stats.in_flight = len(tasks)
             if tasks:
                 log.info("stopping: waiting up to %.0fs for %d in-flight messages", grace_s, len(tasks))

@@ -54,6 +54,39 @@ async def test_unacked_message_is_redelivered_to_another_worker(cfg, bus):
     assert seen == [("a", 2)] and stats.acked == 1
 
 
+async def test_in_flight_falls_to_zero_when_the_handler_ends_not_at_the_next_fetch(cfg, bus):
+    """Burst services stop once nothing is pending and `in_flight` is 0: it used to be updated only by a
+    fetch that returned messages, so an idle worker reported its last message in flight for seconds."""
+    spec = consumer_for("generate", cfg.run)
+    await bus.publish(Subjects.prompts(cfg.run), task(cfg.run, "one"), msg_id=f"{cfg.run}:one")
+    done = asyncio.Event()
+
+    async def handle(d):
+        await asyncio.sleep(0.3)  # outlast the fetch that delivered it
+        done.set()
+
+    async def zero_soon_after_done(stats: WorkStats) -> bool:
+        await done.wait()
+        for _ in range(10):
+            if stats.in_flight == 0:
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
+    stats = WorkStats()
+    stop = asyncio.Event()
+    worker = asyncio.create_task(bus.work(spec, handle, run=cfg.run, stop=stop, message_type=PromptTask, stats=stats))
+    try:
+        async with asyncio.timeout(10):
+            while stats.in_flight == 0:  # the message is taken
+                await asyncio.sleep(0.01)
+            assert await zero_soon_after_done(stats), "in_flight still counts a finished handler 0.5 s later"
+    finally:
+        stop.set()
+        await worker
+    assert stats.acked == 1
+
+
 async def test_nak_retries_then_dead_letter_then_replay_once(cfg, bus):
     spec = consumer_for("generate", cfg.run, ack_wait_s=5.0, max_deliver=3)
     await bus.publish(Subjects.prompts(cfg.run), task(cfg.run, "bad"), msg_id=f"{cfg.run}:bad")
