@@ -218,3 +218,37 @@ async def test_two_generators_split_a_run_and_survive_kill_9(stack, stack_env, b
 
 async def _worker_has_shard(bus: Bus, run: str, worker: str) -> bool:
     return any(e.worker == worker for e in await shard_events(bus, run))
+
+
+async def test_a_conversation_the_template_refuses_is_dead_lettered_at_once(stack, bus, store, tmp_path, target_dir):
+    """A target template that raises on a conversation (here: two user turns in a row, refused the way
+    Llama-2/Mistral templates refuse them) makes that prompt a dead letter on its first delivery, with the
+    template's message; it is not retried, and the other prompts of its batch complete."""
+    from tests.test_tokenizer_render import ALTERNATING
+
+    guarded = tmp_path / "guarded-target"
+    guarded.mkdir()
+    for f in target_dir.iterdir():
+        (guarded / f.name).symlink_to(f)
+    (guarded / "chat_template.jinja").unlink()
+    (guarded / "chat_template.jinja").write_text(ALTERNATING + (target_dir / "chat_template.jinja").read_text())
+    cfg = make_config(stack, model={"target": str(guarded)}, **FAST)
+    src = tmp_path / "mixed.jsonl"
+    src.write_text(
+        json.dumps({"prompt": "Say hi."}) + "\n"
+        + json.dumps({"messages": [{"role": "user", "content": "Hi."}, {"role": "user", "content": "Say hi."}]})
+        + "\n" + json.dumps({"prompt": "Say bye."}) + "\n")
+    await fed_ids(cfg, bus, store, src)
+    stop = asyncio.Event()
+    worker = asyncio.create_task(run_generator(cfg, "w0", stop=stop))
+    await wait_for(lambda: _letters(bus, cfg.run, 1), 240, "a dead letter")
+    await wait_for(lambda: _completed_n(bus, cfg.run, 2), 240, "the two other prompts")
+    stop.set()
+    await asyncio.wait_for(worker, 120)
+    [(_, letter)] = await bus.dead_letters(cfg.run, "generate")
+    assert "chat template refused" in letter.error and "roles must alternate" in letter.error
+    assert letter.num_delivered == 1
+
+
+async def _completed_n(bus: Bus, run: str, n: int) -> bool:
+    return len(await completed_ids(bus, run)) >= n

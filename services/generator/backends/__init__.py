@@ -55,10 +55,17 @@ def chat_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 
 def render_prompt(tokenizer: Any, messages: list[ChatMessage], enable_thinking: bool) -> str:
-    """The conversation in the target's own chat template, ending with the assistant generation prompt."""
-    return tokenizer.apply_chat_template(
-        chat_dicts(messages), tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking
-    )
+    """The conversation in the target's own chat template, ending with the assistant generation prompt.
+
+    A template that raises on the conversation (roles it does not accept, as Llama-2/Mistral/Gemma
+    templates do) refuses the prompt: it would raise on every redelivery, so it is a dead letter at once,
+    with the template's message, as a server's HTTP 400 for the same prompt is."""
+    try:
+        return tokenizer.apply_chat_template(
+            chat_dicts(messages), tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking
+        )
+    except Exception as e:  # the template is user code
+        raise PromptRefused(f"the chat template refused the conversation: {type(e).__name__}: {e}") from None
 
 
 def split_reasoning(text: str, open_tag: str = "<think>", close_tag: str = "</think>") -> tuple[str, str | None]:
