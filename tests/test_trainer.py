@@ -218,6 +218,67 @@ def test_checkpoint_layout_matches_public_dflash_drafters(tmp_path: Path) -> Non
     assert torch.equal(d(x, f, q, c, m), loaded(x, f, q, c, m))
 
 
+def test_checkpoint_meets_sglangs_dflash_loader_contract(tmp_path: Path, target_dir: Path) -> None:
+    """CONTRACT TEST, not a load by SGLang (it needs a GPU; none here). It checks what SGLang's DFlash loader
+    requires of a drafter, as read from sgl-project/sglang: `parse_dflash_draft_config` in
+    python/sglang/srt/speculative/dflash_utils.py (@00731f0b), `DFlashDraftModel.load_weights` in
+    python/sglang/srt/models/dflash.py (@003b23d7), `DFlashWorker._resolve_mask_token_id` in
+    speculative/dflash_worker.py (@0468412f), and `_get_and_verify_dtype` in configs/model_config.py
+    (@001adf56). SGLang skips unknown tensors and does not check for missing ones, so a name mismatch
+    would load silently with random weights: the mapping is checked both ways here."""
+    import copy
+    from types import SimpleNamespace
+
+    from safetensors import safe_open
+
+    from services.trainer.model import SGLANG_MASK_TOKEN, resolve_mask_token_id
+    from shared.model import load_tokenizer
+
+    tc = SimpleNamespace(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, vocab_size=500, num_hidden_layers=12, rms_norm_eps=1e-5, rope_theta=1e5,
+                         max_position_embeddings=4096, dtype="bfloat16")
+    d = DFlashDrafter.for_target(tc, num_layers=2, block_size=8, layer_ids=[1, 3, 5, 7, 9], mask_token_id=7)
+    d.set_draft_vocab(torch.arange(100))
+    d.save(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["architectures"][0] == "DFlashDraftModel"
+    assert all(cfg[k] > 0 for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"))
+    assert cfg.get("hidden_act", "silu") == "silu" and not cfg.get("attention_bias", False)
+    dc = cfg["dflash_config"]
+    assert all(0 <= i < cfg["num_target_layers"] == tc.num_hidden_layers for i in dc["target_layer_ids"])
+    assert cfg["block_size"] == 8 and 0 <= dc["mask_token_id"] < tc.vocab_size
+    # `--dtype auto` serves a float32 config as float16 and a bfloat16 one as bfloat16: the drafter must say the
+    # target's dtype, or the target's hidden states meet weights of another dtype.
+    assert cfg["torch_dtype"] == "bfloat16"
+    assert cfg["max_position_embeddings"] >= tc.max_position_embeddings  # else the target's context length is refused
+    # load_weights stacks q/k/v into qkv_proj and gate/up into gate_up_proj; no embed_tokens/lm_head (the target's)
+    L = cfg["num_hidden_layers"]
+    theirs = {"fc.weight", "hidden_norm.weight", "norm.weight"} | {
+        f"layers.{i}.{n}.weight" for i in range(L) for n in (
+            "input_layernorm", "post_attention_layernorm", "self_attn.qkv_proj", "self_attn.o_proj",
+            "self_attn.q_norm", "self_attn.k_norm", "mlp.gate_up_proj", "mlp.down_proj")}
+    stacked = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+               "up_proj": "gate_up_proj"}
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+        fc_shape = f.get_slice("fc.weight").get_shape()
+    ours = {".".join(stacked.get(part, part) for part in n.split(".")) for n in names}
+    assert ours - theirs == {"draft_vocab"}  # the one tensor SGLang does not know (skipped: full-vocab drafts)
+    assert theirs <= ours  # nothing SGLang builds is left at its random init
+    assert fc_shape == [cfg["hidden_size"], len(dc["target_layer_ids"]) * cfg["hidden_size"]]
+    # The real target (SmolLM2's config says float32) gives its own dtype; a vocabulary holding <|MASK|> gives
+    # that token as the mask (SGLang refuses a different id then).
+    from transformers import AutoConfig
+
+    from services.trainer.model import dtype_name
+
+    assert dtype_name(AutoConfig.from_pretrained(target_dir, local_files_only=True)) == "float32"
+    tok = copy.deepcopy(load_tokenizer(str(target_dir)))
+    assert resolve_mask_token_id(tok, len(tok)) == tok.unk_token_id  # none: SmolLM2's unk
+    tok.add_special_tokens({"additional_special_tokens": [SGLANG_MASK_TOKEN]})
+    assert resolve_mask_token_id(tok, len(tok)) == tok.convert_tokens_to_ids(SGLANG_MASK_TOKEN) == len(tok) - 1
+
+
 def test_draft_vocab_restricts_proposals_and_survives_save_load(tmp_path: Path) -> None:
     from types import SimpleNamespace
 

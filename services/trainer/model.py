@@ -40,10 +40,15 @@ def feature_layer_ids(num_target_layers: int, k: int) -> list[int]:
     return [math.floor(1 + i * (num_target_layers - 4) / (k - 1) + 0.5) for i in range(k)]
 
 
+SGLANG_MASK_TOKEN = "<|MASK|>"  # SGLang refuses a drafter whose mask id differs from this token's, if it exists
+
+
 def resolve_mask_token_id(tokenizer: Any, vocab_size: int) -> int:
-    """An id that already exists in the target's embedding, in this order: the tokenizer's mask token,
-    then its pad token when it differs from eos, then unk, then eos (e.g. SmolLM2: unk `<|endoftext|>`)."""
-    candidates = [getattr(tokenizer, "mask_token_id", None)]
+    """An id that already exists in the target's embedding, in this order: `<|MASK|>` when the vocabulary
+    has it (SGLang's DFlash loader requires it then), the tokenizer's mask token, its pad token when it
+    differs from eos, then unk, then eos (e.g. SmolLM2: unk `<|endoftext|>`)."""
+    candidates = [(tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}).get(SGLANG_MASK_TOKEN),
+                  getattr(tokenizer, "mask_token_id", None)]
     pad, eos = getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None)
     candidates += [pad if pad != eos else None, getattr(tokenizer, "unk_token_id", None), eos]
     for c in candidates:
@@ -69,6 +74,10 @@ class DFlashConfig:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 8192
     draft_vocab_size: int = 0  # 0: proposals over the target's whole vocabulary
+    # The dtype an engine serves the drafter in: the target's, so that `--dtype auto` gives both one dtype
+    # (SGLang maps a float32 config to float16, a bfloat16 one to bfloat16). The stored tensors stay
+    # float32 (exact resume); engines cast them on load.
+    torch_dtype: str = "bfloat16"
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_hf(self) -> dict[str, Any]:
@@ -79,8 +88,8 @@ class DFlashConfig:
         dflash = {"mask_token_id": mask, "target_layer_ids": ids}
         if draft_vocab:
             dflash["draft_vocab_size"] = draft_vocab
-        return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", **d,
-                "dflash_config": dflash, "torch_dtype": "float32", **self.extra}
+        return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_act": "silu", **d,
+                "dflash_config": dflash, **self.extra}
 
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> DFlashConfig:
@@ -89,6 +98,13 @@ class DFlashConfig:
         fields["mask_token_id"] = d["dflash_config"]["mask_token_id"]
         fields["draft_vocab_size"] = d["dflash_config"].get("draft_vocab_size", 0)
         return cls(**fields)
+
+
+def dtype_name(target_config: Any) -> str:
+    """The target config's dtype as config.json spells it ("bfloat16" when it names none)."""
+    dtype = getattr(target_config, "dtype", None) or getattr(target_config, "torch_dtype", None)
+    name = str(dtype).removeprefix("torch.") if dtype is not None else ""
+    return name if name in ("bfloat16", "float16", "float32") else "bfloat16"
 
 
 class RMSNorm(nn.Module):
@@ -246,7 +262,9 @@ class DFlashDrafter(nn.Module):
 
     @classmethod
     def for_target(cls, target_config: Any, *, num_layers: int, block_size: int, layer_ids: list[int],
-                   mask_token_id: int) -> DFlashDrafter:
+                   mask_token_id: int, serve_dtype: str | None = None) -> DFlashDrafter:
+        """`serve_dtype`: the dtype the target is served in (its config.json's; the in-memory config of a
+        target loaded for training says the training dtype); default: `target_config`'s."""
         t = target_config
         rope_params = getattr(t, "rope_parameters", None) or {}
         theta = rope_params.get("rope_theta", getattr(t, "rope_theta", 10000.0))
@@ -257,7 +275,7 @@ class DFlashDrafter(nn.Module):
             head_dim=getattr(t, "head_dim", None) or t.hidden_size // heads, vocab_size=t.vocab_size,
             block_size=block_size, num_target_layers=t.num_hidden_layers, target_layer_ids=layer_ids,
             mask_token_id=mask_token_id, rms_norm_eps=t.rms_norm_eps, rope_theta=float(theta),
-            max_position_embeddings=getattr(t, "max_position_embeddings", 8192),
+            max_position_embeddings=getattr(t, "max_position_embeddings", 8192), torch_dtype=serve_dtype or dtype_name(t),
         )
         return cls(c)
 

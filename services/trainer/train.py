@@ -36,7 +36,7 @@ from .data import ShardFeed, epoch_order, load_samples
 from .dist import Dist
 from .features import Target
 from .loss import head_cross_entropy
-from .model import DFlashDrafter, feature_layer_ids, resolve_mask_token_id
+from .model import DFlashDrafter, dtype_name, feature_layer_ids, resolve_mask_token_id
 
 log = logging.getLogger("dflash.trainer")
 
@@ -66,7 +66,9 @@ def lr_lambda(total: int, warmup_ratio: float):
 
 
 def build(cfg: Config, device: str) -> tuple[Target, DFlashDrafter, Any]:
-    from shared.model import load_causal_lm, load_tokenizer
+    from transformers import AutoConfig
+
+    from shared.model import load_causal_lm, load_tokenizer, resolve_target
 
     t = cfg.trainer
     tok = load_tokenizer(cfg.model.target)
@@ -76,8 +78,10 @@ def build(cfg: Config, device: str) -> tuple[Target, DFlashDrafter, Any]:
         raise ValueError(f"trainer.draft_vocab = {t.draft_vocab}: 0 (off) or fewer than the target's "
                          f"{lm.config.vocab_size} ids")
     ids = list(t.target_layer_ids) or feature_layer_ids(n, t.num_feature_layers)
+    on_disk = AutoConfig.from_pretrained(resolve_target(cfg.model.target), local_files_only=True)
     drafter = DFlashDrafter.for_target(lm.config, num_layers=t.num_layers, block_size=t.block_size, layer_ids=ids,
-                                       mask_token_id=resolve_mask_token_id(tok, lm.config.vocab_size))
+                                       mask_token_id=resolve_mask_token_id(tok, lm.config.vocab_size),
+                                       serve_dtype=dtype_name(on_disk))
     if t.init == "target":
         drafter.init_from_target(lm.get_decoder().layers)
     drafter = drafter.to(device)
