@@ -138,7 +138,10 @@ class RunStatus(msgspec.Struct, kw_only=True):
     eta_s: float | None = None
     workers: list[dict[str, Any]] = []
     alerts: list[Alert] = []
-    tokenized_samples: int = 0
+    tokenized_samples: int = 0  # in the latest tokenized shard of each completion shard
+    tokenized_shards: int = 0
+    tokenized_records: int = 0  # completion records those shards were built from
+    dropped: dict[str, int] = {}  # records not kept, by reason (duplicates included)
     trainer_step: int | None = None
 
 
@@ -156,7 +159,9 @@ async def run_status(cfg: Config, bus: Bus, store: Store | None) -> RunStatus:
         log.add(event)
     async for _, event in bus.replay("TOKENIZED", Subjects.tokenized(run), 1, TokenizedShard):
         log.add(event)
-    st.tokenized_samples = log.counts().kept
+    counts = log.counts()
+    st.tokenized_samples, st.tokenized_shards, st.tokenized_records = counts.kept, counts.tokenized_shards, counts.samples_in
+    st.dropped = dict(sorted(counts.dropped.items(), key=lambda kv: -kv[1]))
     st.completed, st.shards, st.completion_records = log.completed, len(log.shard_keys), log.records
     try:
         info = await bus.js.consumer_info("PROMPTS", f"generate-{run}")
@@ -213,8 +218,11 @@ def format_status(st: RunStatus) -> str:
         f"  rate        {st.completion_tokens_per_s:.1f} completion tokens/s, {st.completions_per_s:.2f} prompts/s",
         f"  ETA         {_duration(st.eta_s)}",
     ]
-    if st.tokenized_samples:
-        lines.append(f"  tokenized   {st.tokenized_samples} samples kept")
+    if st.tokenized_shards:
+        lines.append(f"  tokenized   {st.tokenized_samples} samples kept of {st.tokenized_records} records, "
+                     f"{st.tokenized_shards}/{st.shards} shards")
+        if st.dropped:
+            lines.append("  dropped     " + ", ".join(f"{reason} {n}" for reason, n in st.dropped.items()))
     if st.trainer_step is not None:
         lines.append(f"  trainer     step {st.trainer_step}")
     for w in st.workers:

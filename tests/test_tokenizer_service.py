@@ -34,6 +34,7 @@ from shared.records import (
     read_samples,
     read_samples_summary,
 )
+from shared.status import format_status, run_status
 from shared.store import SHA_META, Keys, Store, sha256_bytes
 from tests.conftest import make_config
 
@@ -223,6 +224,13 @@ async def test_normal_run_writes_one_loadable_deduped_shard_per_completion_shard
     assert (p.shards, p.samples_in, p.samples_kept, p.retokenization_drift, p.state) == (3, 16, 13, 1, "stopped")
     assert p.dropped == {"duplicate": 1, "below_min_supervised": 1, "truncated_generation": 1}
     assert not p.gate_tripped
+
+    # `dflash status` reads the same numbers from the shard events.
+    st = await run_status(cfg, bus, store)
+    assert (st.tokenized_samples, st.tokenized_records, st.tokenized_shards) == (13, 16, 3)
+    assert st.dropped == {"duplicate": 1, "below_min_supervised": 1, "truncated_generation": 1}
+    text = format_status(st)
+    assert "13 samples kept of 16 records, 3/3 shards" in text and "below_min_supervised 1" in text, text
 
     # Each shard holds its build's summary, from which a re-announcement is made: a restarted tokenizer whose
     # rebuilds differ from the stored shards (every prompt is a duplicate now) announces the stored ones.
