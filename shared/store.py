@@ -351,6 +351,11 @@ class Keys:
         return f"runs/{run}/tokenized/{fingerprint}/{shard_name}.parquet"
 
     @staticmethod
+    def tokenized_drops(run: str, fingerprint: str, shard_name: str) -> str:
+        """The records a tokenized shard's build dropped, with reasons (JSON lines; only when there are any)."""
+        return f"runs/{run}/tokenized/{fingerprint}/drops/{shard_name}.jsonl"
+
+    @staticmethod
     def tokenizer_gate(run: str, fingerprint: str) -> str:
         """The tripped quality gate of a run's tokenizing under one template fingerprint (JSON Alert)."""
         return f"runs/{run}/tokenized/{fingerprint}/gate.json"

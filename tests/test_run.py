@@ -96,8 +96,8 @@ def test_dflash_run_end_to_end_then_resume(stack, stack_env, tmp_path: Path) -> 
     manifest = json.loads(store.get_bytes(Keys.manifest(run)))
     assert manifest["total_accepted"] == 12 and manifest["total_rejected"] == 1
     completions = sorted(store.list(f"runs/{run}/completions/"))
-    tokenized = sorted(store.list(f"runs/{run}/tokenized/"))
-    assert completions and len(tokenized) == len(completions)
+    tokenized = sorted(store.list(f"runs/{run}/tokenized/"))  # shards, and the lists of what they dropped
+    assert completions and len([k for k in tokenized if k.endswith(".parquet")]) == len(completions)
     assert store.exists(Keys.checkpoint(run, 6) + "drafter/model.safetensors")
     report = msgspec.json.decode(store.get_bytes(Keys.eval_report(run)), type=EvalReport)
     assert report.lossless and report.prompts >= 1 and report.tau >= 1.0

@@ -128,7 +128,8 @@ def cli(stack_env: dict, *args: str, env: dict | None = None, timeout: float = 1
 # --- a normal run ----------------------------------------------------------------------------------
 
 
-async def test_normal_run_writes_one_loadable_deduped_shard_per_completion_shard(stack, bus, store, tmp_path):
+async def test_normal_run_writes_one_loadable_deduped_shard_per_completion_shard(stack, stack_env, bus, store,
+                                                                                tmp_path):
     import datasets
     import pandas as pd
 
@@ -232,15 +233,32 @@ async def test_normal_run_writes_one_loadable_deduped_shard_per_completion_shard
     text = format_status(st)
     assert "13 samples kept of 16 records, 3/3 shards" in text and "below_min_supervised 1" in text, text
 
+    # `dflash drops` lists the dropped records (not the duplicate) from the per-shard lists beside the shards.
+    assert [k.rsplit("/", 1)[1] for k in store.list(f"runs/{run}/tokenized/{fp}/drops/")] == [
+        "gen-0.00000001.jsonl", "gen-1.00000000.jsonl"]  # none for the shard that dropped nothing
+    r = cli(stack_env, "drops", "--run", run)
+    assert r.returncode == 0, r.stderr
+    assert f"{fp}  ok  [below_min_supervised]  'OK.'" in r.stdout and f"{fp}  cut  [truncated_generation]" in r.stdout
+    assert "p00001" not in r.stdout and f"{fp}  below_min_supervised: 1" in r.stdout, r.stdout
+    r = cli(stack_env, "drops", "--run", run, "--reason", "template_error")
+    assert "no dropped records with reason template_error" in r.stdout, r.stdout
+
     # Each shard holds its build's summary, from which a re-announcement is made: a restarted tokenizer whose
     # rebuilds differ from the stored shards (every prompt is a duplicate now) announces the stored ones.
     for ev in (e0, e1, e2):
-        assert read_samples_summary(store.get_bytes(ev.key)) == {
-            "dropped": ev.dropped, "retokenization_drift": ev.retokenization_drift,
-            "supervised_histogram": ev.supervised_histogram}
+        summary = read_samples_summary(store.get_bytes(ev.key))
+        drops = summary.pop("drops")
+        assert summary == {"dropped": ev.dropped, "retokenization_drift": ev.retokenization_drift,
+                           "supervised_histogram": ev.supervised_histogram}
+        assert len(drops) == sum(n for r, n in ev.dropped.items() if r != "duplicate")
+    # The drop lists lost (a crash between the shard and its list): the re-announcement writes them again.
+    lists = {k: store.get_bytes(k) for k in store.list(f"runs/{run}/tokenized/{fp}/drops/")}
+    for k in lists:
+        store.delete(k)
     await bus.js.delete_consumer("SHARDS", f"tokenize-{run}")
     again = await burst(cfg, tok)
     assert again.counts.skipped_shards == 3 and again.counts.shards == 0
+    assert {k: store.get_bytes(k) for k in store.list(f"runs/{run}/tokenized/{fp}/drops/")} == lists
 
 
 async def test_a_deliberate_regeneration_replaces_the_old_sample(stack, bus, store):

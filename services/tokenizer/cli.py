@@ -77,12 +77,51 @@ def _replay(args: argparse.Namespace) -> int:
     return 1 if s.failed else 0
 
 
+def _drops(args: argparse.Namespace) -> int:
+    """Every record the tokenizer dropped, with its reason and the start of its answer (or the template's
+    message), from the per-shard lists next to the tokenized shards; one template fingerprint or all."""
+    from collections import Counter
+
+    import msgspec
+
+    from shared.cli import load
+    from shared.store import Store
+
+    cfg = load(args)
+    store = Store.open(cfg)
+    prefix = f"runs/{cfg.run}/tokenized/" + (f"{args.fingerprint}/" if args.fingerprint else "")
+    keys = [k for k in store.list(prefix) if "/drops/" in k and k.endswith(".jsonl")]
+    counts: Counter[tuple[str, str]] = Counter()
+    shown = 0
+    for key in keys:
+        fingerprint = key.split("/tokenized/", 1)[1].split("/", 1)[0]
+        for line in store.get_bytes(key).splitlines():
+            d = msgspec.json.decode(line)
+            if args.reason and d["reason"] != args.reason:
+                continue
+            counts[(fingerprint, d["reason"])] += 1
+            if args.limit is None or shown < args.limit:
+                print(f"{fingerprint}  {d['prompt_id']}  [{d['reason']}]  {d['example']!r}")
+                shown += 1
+    if not counts:
+        print(f"run {cfg.run}: no dropped records" + (f" with reason {args.reason}" if args.reason else ""))
+    for (fingerprint, reason), n in sorted(counts.items()):
+        print(f"  {fingerprint}  {reason}: {n}")
+    return 0
+
+
 def register(sub: Any, replay: Any) -> None:
     p = sub.add_parser("tokenize", help="the tokenizer service: completion shards -> training samples")
     p.add_argument("--run", required=True)
     p.add_argument("--worker", default="tokenizer")
     p.add_argument("--burst", action="store_true", help="stop once no shard is pending")
     p.set_defaults(func=_tokenize)
+    d = sub.add_parser("drops", help="the records the tokenizer dropped, with reasons")
+    d.add_argument("--run", required=True)
+    d.add_argument("--reason", default=None, help="only this reason (e.g. template_error)")
+    d.add_argument("--fingerprint", default=None, help="only this template fingerprint's output")
+    d.add_argument("--limit", type=int, default=None, help="print at most this many records (the counts cover all)")
+    d.set_defaults(func=_drops)
     r = replay.add_parser("tokenize", help="re-tokenize every completion shard from the shard log")
     r.add_argument("--run", required=True)
     r.add_argument("--from-seq", type=int, default=1, help="first SHARDS stream sequence to replay")

@@ -51,6 +51,7 @@ from shared.store import (
     sha256_bytes,
 )
 
+from . import checks
 from . import gate as gatemod
 from .fingerprint import template_fingerprint
 from .pool import BuildPool, default_processes
@@ -72,11 +73,16 @@ def histogram_bucket(n: int) -> str:
 
 def shard_summary(built: ShardSamples) -> dict[str, Any]:
     """What a shard's build dropped and why, and its histogram (kept samples and those dropped after
-    tokenizing): stored with the shard and carried by its TokenizedShard event, so the data-quality
-    numbers are rebuilt from the shard log, through tokenizer restarts."""
+    tokenizing), stored in the shard's Parquet metadata: its TokenizedShard event carries the counts (so
+    the data-quality numbers are rebuilt from the shard log, through tokenizer restarts), and `drops` lists
+    the dropped records (duplicates aside: those are redeliveries) for `dflash drops`. Stored with the
+    shard, so a shard announced again from S3 (another worker's, or after a crash) keeps all of it."""
     hist = Counter(histogram_bucket(s.num_supervised) for s in built.samples)
     hist.update(histogram_bucket(d.num_supervised) for d in built.drops if d.num_supervised is not None)
-    return {"dropped": built.dropped(), "retokenization_drift": built.drift, "supervised_histogram": dict(hist)}
+    drops = [{"prompt_id": d.prompt_id, "reason": d.reason, "example": d.example, "num_supervised": d.num_supervised}
+             for d in built.drops if d.reason != checks.DUPLICATE]
+    return {"dropped": built.dropped(), "retokenization_drift": built.drift, "supervised_histogram": dict(hist),
+            "drops": drops}
 
 
 class GateTripped(Exception):
@@ -250,10 +256,16 @@ class TokenizerService:
 
     async def _announce(self, ev: ShardWritten, key: str, samples: list[TokenizedSample], sha256: str,
                         summary: dict[str, Any]) -> TokenizedShard:
+        """The stored shard's drop list beside it (written again from the same summary: idempotent), then its event."""
+        counts = dict(summary)
+        if drops := counts.pop("drops", []):
+            lines = b"".join(msgspec.json.encode(d) + b"\n" for d in drops)
+            await asyncio.to_thread(self.store.put_bytes, Keys.tokenized_drops(self.run, self.fingerprint,
+                                    shard_name(ev.key)), lines, "application/x-ndjson")
         event = TokenizedShard(
             run=self.run, key=key, source_key=ev.key, fingerprint=self.fingerprint, num_samples=len(samples),
             num_tokens=sum(s.num_tokens for s in samples), num_supervised=sum(s.num_supervised for s in samples),
-            sha256=sha256, **summary,
+            sha256=sha256, **counts,
         )
         await self.bus.publish(Subjects.tokenized(self.run), event, msg_id=key)
         return event
