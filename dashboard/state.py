@@ -280,15 +280,17 @@ def quality_view(rs: RunState, durable: DurableCounts | None = None) -> QualityV
     tok = workers_of(rs, "tokenize")
     gate = [a for a in rs.alerts if a.kind == "quality_gate"]
     tripped = any(w.latest.gate_tripped for w in tok) or bool(gate)  # type: ignore[union-attr]
+    counted_hist, counted_dropped = Counter(), Counter()
+    for w in tok:
+        m: TokenizerProgress = w.latest  # type: ignore[assignment]
+        counted_hist.update(m.supervised_histogram)
+        counted_dropped.update(m.dropped)
     if durable is not None and durable.tokenized_shards > 0:
-        hist, dropped = Counter(durable.histogram), Counter(durable.dropped)
+        # events published before they carried a histogram have none: the counters' then
+        hist, dropped = Counter(durable.histogram) or counted_hist, Counter(durable.dropped)
         samples_in, kept, supervised, drift = durable.samples_in, durable.kept, durable.supervised_tokens, durable.drift
     else:
-        hist, dropped = Counter(), Counter()
-        for w in tok:
-            m: TokenizerProgress = w.latest  # type: ignore[assignment]
-            hist.update(m.supervised_histogram)
-            dropped.update(m.dropped)
+        hist, dropped = counted_hist, counted_dropped
         samples_in, kept = _sum_latest(tok, lambda m: m.samples_in), _sum_latest(tok, lambda m: m.samples_kept)
         supervised, drift = _sum_latest(tok, lambda m: m.supervised_tokens), _sum_latest(tok, lambda m: m.retokenization_drift)
     return QualityView(

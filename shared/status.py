@@ -87,6 +87,8 @@ class DurableLog:
             self.completed_points.append((event.ts, self.completed))
         else:
             previous = self._tokenized.get(event.source_key)
+            if previous is not None and previous.key == event.key:
+                return  # the same tokenized shard announced again (from S3, maybe without the numbers): nothing new
             if previous is not None:
                 self._quality.add(previous, -1)
             self._tokenized[event.source_key] = event

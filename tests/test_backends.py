@@ -222,3 +222,18 @@ async def test_sglang_real_server(stack, target_dir):
         assert r.output_ids[-1] == tok.eos_token_id  # the stop token is kept in the ids
     assert tok.decode(r.output_ids, skip_special_tokens=True).strip() == r.text.strip()
     assert msgspec.json.encode(r)
+
+
+def test_a_template_that_cannot_render_one_message_stops_the_backend_at_start(target_dir):
+    """A broken template would refuse every prompt (each a dead letter within seconds): the backends check one
+    plain message at start instead. SmolLM2's own template passes."""
+    import copy
+
+    from services.generator.backends import check_template
+
+    tok = load_tokenizer(str(target_dir))
+    check_template(tok, False)
+    broken = copy.deepcopy(tok)
+    broken.chat_template = "{{ raise_exception('this template is unfinished') }}"
+    with pytest.raises(RuntimeError, match=r"cannot render a one-message conversation.*this template is unfinished"):
+        check_template(broken, False)

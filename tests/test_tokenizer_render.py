@@ -342,7 +342,7 @@ ALTERNATING = (
 
 def test_a_conversation_the_template_refuses_is_one_drop_not_a_failed_shard(smol):
     """A template that raises for one prompt (two user turns in a row, here) drops that sample with the
-    template's message, in the gate's examples too; the shard's other samples are built as before."""
+    template's message; the shard's other samples are built as before."""
     tok = copy.deepcopy(smol)
     tok.chat_template = ALTERNATING + smol.chat_template
     builder = SampleBuilder(tok, config(False))
@@ -357,5 +357,6 @@ def test_a_conversation_the_template_refuses_is_one_drop_not_a_failed_shard(smol
     assert built.dropped() == {"template_error": 1}
     assert built.samples == builder.build(good).samples
     assert built.samples == SampleBuilder(smol, config(False)).build(good).samples  # the guard changes no rendering
-    (outcome,) = [o for o in built.outcomes if o[0] == "bad"]
-    assert outcome[1] == "template_error" and "roles must alternate" in outcome[2]
+    (drop,) = [d for d in built.drops if d.prompt_id == "bad"]
+    assert drop.reason == "template_error" and "roles must alternate" in drop.example  # listed by `dflash drops`
+    assert ("bad", "template_error", "Sure.") in built.outcomes  # the gate sees the answer, as for every reason

@@ -17,13 +17,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 import numpy as np
 
 from services.generator.shards import shard_event
 from services.tokenizer.fingerprint import load_target_tokenizer
 from services.tokenizer.replay import replay_tokenize
 from services.tokenizer.samples import SampleBuilder
-from services.tokenizer.service import run_service, shard_name
+from services.tokenizer.service import TokenizerService, run_service, shard_name
 from shared.bus import Bus
 from shared.config import Config
 from shared.messages import Alert, ShardWritten, Subjects, TokenizedShard, TokenizerProgress
@@ -259,6 +260,11 @@ async def test_normal_run_writes_one_loadable_deduped_shard_per_completion_shard
     again = await burst(cfg, tok)
     assert again.counts.skipped_shards == 3 and again.counts.shards == 0
     assert {k: store.get_bytes(k) for k in store.list(f"runs/{run}/tokenized/{fp}/drops/")} == lists
+    # What such a re-announcement publishes (here a duplicate message id, so not stored again): the original event.
+    service = TokenizerService(cfg, bus, store, tok)
+    await service.prepare()
+    announced = await service.process(shards[1])
+    assert msgspec.structs.replace(announced, ts=0.0) == msgspec.structs.replace(e1, ts=0.0)
 
 
 async def test_a_deliberate_regeneration_replaces_the_old_sample(stack, bus, store):

@@ -236,7 +236,7 @@ def test_checkpoint_meets_sglangs_dflash_loader_contract(tmp_path: Path, target_
 
     tc = SimpleNamespace(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                          head_dim=16, vocab_size=500, num_hidden_layers=12, rms_norm_eps=1e-5, rope_theta=1e5,
-                         max_position_embeddings=4096, dtype="bfloat16")
+                         max_position_embeddings=4096, dtype="float16")
     d = DFlashDrafter.for_target(tc, num_layers=2, block_size=8, layer_ids=[1, 3, 5, 7, 9], mask_token_id=7)
     d.set_draft_vocab(torch.arange(100))
     d.save(tmp_path)
@@ -249,7 +249,7 @@ def test_checkpoint_meets_sglangs_dflash_loader_contract(tmp_path: Path, target_
     assert cfg["block_size"] == 8 and 0 <= dc["mask_token_id"] < tc.vocab_size
     # `--dtype auto` serves a float32 config as float16 and a bfloat16 one as bfloat16: the drafter must say the
     # target's dtype, or the target's hidden states meet weights of another dtype.
-    assert cfg["torch_dtype"] == "bfloat16"
+    assert cfg["torch_dtype"] == "float16"  # the target's (not the default)
     assert cfg["max_position_embeddings"] >= tc.max_position_embeddings  # else the target's context length is refused
     # load_weights stacks q/k/v into qkv_proj and gate/up into gate_up_proj; no embed_tokens/lm_head (the target's)
     L = cfg["num_hidden_layers"]

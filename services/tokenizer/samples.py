@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 class Drop:
     prompt_id: str
     reason: str
-    example: str  # the start of the answer (the template's message for template_error), for alerts
+    example: str  # the start of the answer (the template's message for template_error), for `dflash drops`
     num_supervised: int | None = None  # known when dropped after tokenizing (the histogram shows the spike)
 
 
@@ -136,9 +136,9 @@ class SampleBuilder:
         else:
             out = ShardSamples.merged(pool.build(todo, lambda part: self.build_fresh(part, batched=batched)))
         out.drops[:0] = [Drop(rec.prompt_id, checks.DUPLICATE, "") for rec in duplicates]
-        dropped = {d.prompt_id: d for d in out.drops if d.reason != checks.DUPLICATE}
-        out.outcomes = [(r.prompt_id, d.reason, d.example) if (d := dropped.get(r.prompt_id)) else
-                        (r.prompt_id, None, r.completion[:200]) for r in todo]
+        # the gate compares answers (its collapse check counts identical ones): the completion, for every reason
+        reasons = {d.prompt_id: d.reason for d in out.drops if d.reason != checks.DUPLICATE}
+        out.outcomes = [(r.prompt_id, reasons.get(r.prompt_id), r.completion[:200]) for r in todo]
         return out
 
     def build_fresh(self, records: list[CompletionRecord], *, batched: bool = True) -> ShardSamples:

@@ -257,8 +257,8 @@ class TokenizerService:
     async def _announce(self, ev: ShardWritten, key: str, samples: list[TokenizedSample], sha256: str,
                         summary: dict[str, Any]) -> TokenizedShard:
         """The stored shard's drop list beside it (written again from the same summary: idempotent), then its event."""
-        counts = dict(summary)
-        if drops := counts.pop("drops", []):
+        counts = {k: v for k, v in summary.items() if k in TokenizedShard.__struct_fields__}  # a newer writer's extras
+        if drops := summary.get("drops", []):
             lines = b"".join(msgspec.json.encode(d) + b"\n" for d in drops)
             await asyncio.to_thread(self.store.put_bytes, Keys.tokenized_drops(self.run, self.fingerprint,
                                     shard_name(ev.key)), lines, "application/x-ndjson")

@@ -257,6 +257,10 @@ class Trainer:
             loaded = DFlashDrafter.load(tmp / "drafter")
             if loaded.draft_vocab is not None:
                 self.drafter.set_draft_vocab(loaded.draft_vocab)
+            # what the weights were trained with, even where today's rules would pick another (a resume across an
+            # upgrade must not swap the mask token under them)
+            self.drafter.config.mask_token_id = loaded.config.mask_token_id
+            self.drafter.config.torch_dtype = loaded.config.torch_dtype
             self.drafter.load_state_dict(loaded.state_dict())
             state = torch.load(tmp / "state.pt", weights_only=False)
         finally:

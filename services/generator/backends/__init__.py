@@ -68,6 +68,16 @@ def render_prompt(tokenizer: Any, messages: list[ChatMessage], enable_thinking: 
         raise PromptRefused(f"the chat template refused the conversation: {type(e).__name__}: {e}") from None
 
 
+def check_template(tokenizer: Any, enable_thinking: bool) -> None:
+    """Refuse to start when the template cannot render one plain user message: every prompt would be
+    refused and dead-lettered within seconds of the start, for a setup error (no template, a broken one)."""
+    try:
+        render_prompt(tokenizer, [ChatMessage(role="user", content="Hello.")], enable_thinking)
+    except PromptRefused as e:
+        raise RuntimeError(f"the target's chat template cannot render a one-message conversation ({e}): "
+                           "fix the template (model.target) before generating") from None
+
+
 def split_reasoning(text: str, open_tag: str = "<think>", close_tag: str = "</think>") -> tuple[str, str | None]:
     """(answer, reasoning) for an engine that returned a thinking block inline; (text, None) otherwise."""
     head, sep, tail = text.partition(close_tag)

@@ -13,7 +13,7 @@ from typing import Any
 
 from shared.config import Config
 
-from . import GenRequest, GenResult, PromptRefused, render_prompt, split_reasoning
+from . import GenRequest, GenResult, PromptRefused, check_template, render_prompt, split_reasoning
 
 log = logging.getLogger("dflash.generator.hf")
 
@@ -30,7 +30,7 @@ class HFBackend:
         if gpu is not None:
             self.device = f"cuda:{gpu}"
         self.batch_size = max(1, cfg.generator.batch_size)
-        self._queue: asyncio.Queue[tuple[GenRequest, asyncio.Future[GenResult]]] = asyncio.Queue()
+        self._queue: asyncio.Queue[tuple[GenRequest, list[int], asyncio.Future[GenResult]]] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
         self._lock = threading.Lock()
         self._batches = 0
@@ -47,6 +47,7 @@ class HFBackend:
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.tok = load_tokenizer(self.model)
+        check_template(self.tok, self.cfg.sampling.enable_thinking)
         self.tok.padding_side = "left"
         self.lm = load_causal_lm(self.model, device=self.device)
         eos = self.lm.generation_config.eos_token_id
@@ -58,13 +59,14 @@ class HFBackend:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         while not self._queue.empty():
-            _, fut = self._queue.get_nowait()
+            _, _, fut = self._queue.get_nowait()
             if not fut.done():
                 fut.cancel()
 
     async def generate(self, req: GenRequest) -> GenResult:
+        ids = await asyncio.to_thread(self.prompt_ids, req)  # a refused prompt fails here, alone, not its batch
         fut: asyncio.Future[GenResult] = asyncio.get_running_loop().create_future()
-        await self._queue.put((req, fut))
+        await self._queue.put((req, ids, fut))
         return await fut
 
     async def _batcher(self) -> None:
@@ -81,23 +83,23 @@ class HFBackend:
                     await asyncio.sleep(0.002)  # polling: a cancelled get() could drop a request
                 else:
                     break
-            live = [(r, f) for r, f in batch if not f.cancelled()]
+            live = [(r, ids, f) for r, ids, f in batch if not f.cancelled()]
             if not live:
                 continue
             try:
-                results = await asyncio.to_thread(self.generate_batch, [r for r, _ in live])
+                results = await asyncio.to_thread(self.generate_batch, [r for r, _, _ in live], [i for _, i, _ in live])
             except Exception as e:
                 if len(live) == 1:
                     results = [e]
                 else:  # isolate the request that broke the batch: the others must not fail with it
                     log.warning("batch of %d failed (%s); retrying one by one", len(live), e)
                     results = []
-                    for r, _ in live:
+                    for r, ids, _ in live:
                         try:
-                            results.extend(await asyncio.to_thread(self.generate_batch, [r]))
+                            results.extend(await asyncio.to_thread(self.generate_batch, [r], [ids]))
                         except Exception as one:
                             results.append(one)
-            for (_, fut), res in zip(live, results, strict=True):
+            for (_, _, fut), res in zip(live, results, strict=True):
                 if fut.done():
                     continue
                 if isinstance(res, BaseException):
@@ -105,27 +107,24 @@ class HFBackend:
                 else:
                     fut.set_result(res)
 
-    def encode(self, req: GenRequest) -> list[int]:
+    def prompt_ids(self, req: GenRequest) -> list[int]:
+        """The prompt's ids; PromptRefused when the template refuses it or it cannot fit the context."""
         text = render_prompt(self.tok, req.messages, self.cfg.sampling.enable_thinking)
-        return self.tok(text, add_special_tokens=False)["input_ids"]
+        ids = self.tok(text, add_special_tokens=False)["input_ids"]
+        limit, new = self.context_limit, self.cfg.sampling.max_new_tokens
+        if limit and len(ids) + new > limit:
+            raise PromptRefused(f"prompt of {len(ids)} tokens + max_new_tokens {new} exceeds the context limit of {limit}")
+        return ids
 
     @property
     def context_limit(self) -> int:
         return self.cfg.generator.max_context_tokens or int(getattr(self.lm.config, "max_position_embeddings", 0))
 
-    def generate_batch(self, reqs: list[GenRequest]) -> list[GenResult]:
-        """Blocking: one padded `generate()` for the whole batch (called from a worker thread)."""
+    def generate_batch(self, reqs: list[GenRequest], prompts: list[list[int]]) -> list[GenResult]:
+        """Blocking: one padded `generate()` for the whole batch of prompt ids (called from a worker thread)."""
         import torch
 
         s = self.cfg.sampling
-        prompts = [self.encode(r) for r in reqs]
-        limit = self.context_limit
-        too_long = [i for i, p in enumerate(prompts) if limit and len(p) + s.max_new_tokens > limit]
-        if too_long:
-            if len(reqs) == 1:
-                raise PromptRefused(f"prompt of {len(prompts[0])} tokens + max_new_tokens {s.max_new_tokens} "
-                                    f"exceeds the context limit of {limit}")
-            raise ValueError(f"{len(too_long)} prompt(s) of the batch exceed the context limit")  # isolate them
         width = max(map(len, prompts))
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)

@@ -14,7 +14,7 @@ from typing import Any
 
 from shared.config import Config
 
-from . import GenRequest, GenResult, chat_dicts, render_prompt, split_reasoning
+from . import GenRequest, GenResult, chat_dicts, check_template, render_prompt, split_reasoning
 from .http import EngineClient
 
 
@@ -36,6 +36,7 @@ class OpenAIBackend:
             from shared.model import load_tokenizer
 
             self.tok = load_tokenizer(self.cfg.model.target)
+            check_template(self.tok, self.cfg.sampling.enable_thinking)
         await self.client.wait_ready("/v1/models", self.cfg.generator.request_timeout_s)
 
     async def close(self) -> None:

@@ -22,7 +22,7 @@ from urllib.parse import urlparse
 
 from shared.config import Config
 
-from . import GenRequest, GenResult, render_prompt, split_reasoning
+from . import GenRequest, GenResult, check_template, render_prompt, split_reasoning
 from .http import EngineClient
 
 log = logging.getLogger("dflash.generator.sglang")
@@ -80,6 +80,7 @@ class SGLangBackend:
         from shared.model import load_tokenizer
 
         self.tok = await asyncio.to_thread(load_tokenizer, self.cfg.model.target)
+        check_template(self.tok, self.cfg.sampling.enable_thinking)
         if self.cfg.generator.launch:
             env = dict(os.environ)
             if self.gpu is not None:
