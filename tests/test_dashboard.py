@@ -152,6 +152,13 @@ def test_redeliveries_and_restarts_do_not_move_the_stage_counts():
     first = shard_events(run, now)[4][1]
     log.add(msgspec.structs.replace(first, dropped={}, supervised_histogram={}, retokenization_drift=0, ts=now))
     assert sv.quality_view(runs[run], log.counts()) == q
+    # A run tokenized before the events carried a histogram: the tokenizer's counters give it.
+    old_log = DurableLog()
+    old_log.add(msgspec.structs.replace(first, supervised_histogram={}))
+    sv.apply(runs, TokenizerProgress(run=run, worker="tok", shards=1, supervised_histogram={"64": 25}, ts=now - 1))
+    assert sv.quality_view(runs[run], old_log.counts()).histogram == [(64, 25)]
+    assert sv.quality_view(runs[run], log.counts()).histogram == sorted(
+        (int(b), n) for b, n in first.supervised_histogram.items())  # the events', when they have one
 
 
 def test_history_stays_bounded_and_keeps_the_latest():
