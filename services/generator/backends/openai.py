@@ -9,6 +9,7 @@ re-tokenizes and reports the drift.
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import Any
 
@@ -62,7 +63,7 @@ class OpenAIBackend:
             text = msg.get("content") or ""
             reasoning = msg.get("reasoning_content") or msg.get("reasoning")
         else:
-            body["prompt"] = render_prompt(self.tok, req.messages, s.enable_thinking)
+            body["prompt"] = await asyncio.to_thread(render_prompt, self.tok, req.messages, s.enable_thinking)
             data = await self.client.post("/v1/completions", body)
             choice = data["choices"][0]
             text, reasoning = choice.get("text") or "", None

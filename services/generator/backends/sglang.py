@@ -107,7 +107,7 @@ class SGLangBackend:
         return body, len(ids)
 
     async def generate(self, req: GenRequest) -> GenResult:
-        body, n_prompt = self.request_body(req)
+        body, n_prompt = await asyncio.to_thread(self.request_body, req)  # template + tokenizer: off the loop
         result = parse_generate_response(await self.client.post("/generate", body), n_prompt)
         if self.cfg.sampling.enable_thinking:
             result.text, result.reasoning = split_reasoning(result.text)
