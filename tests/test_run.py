@@ -81,6 +81,14 @@ def _dflash_run_on_a_terminal(stack_env: dict, run: str, prompts: Path, config: 
     return rc, b"".join(chunks).decode(errors="replace")
 
 
+def read_samples_of(store: Store, run: str):
+    from shared.records import read_samples
+
+    for key in store.list(f"runs/{run}/tokenized/"):
+        if key.endswith(".parquet"):
+            yield from read_samples(store.get_bytes(key))
+
+
 def test_dflash_run_end_to_end_then_resume(stack, stack_env, tmp_path: Path) -> None:
     bundled = Path(__file__).parents[1] / "services/pipeline/data/prompts.jsonl"
     prompts = tmp_path / "prompts.jsonl"
@@ -102,6 +110,9 @@ def test_dflash_run_end_to_end_then_resume(stack, stack_env, tmp_path: Path) -> 
     report = msgspec.json.decode(store.get_bytes(Keys.eval_report(run)), type=EvalReport)
     assert report.lossless and report.prompts >= 1 and report.tau >= 1.0
     assert "eval: τ =" in out and f"runs/{run}/checkpoints/" in out  # the report and where artifacts are
+    samples = sum(1 for _ in read_samples_of(store, run))
+    assert f"run {run}: 12 of 12 prompts completed (1 rejected at feed, 0 dead letters); {samples} training samples " \
+           "kept of 12 records" in out, out[-3000:]
     checkpoints = sorted(store.list(f"runs/{run}/checkpoints/"))
 
     # the same command again, this time on a terminal: the live display, and nothing redone

@@ -235,14 +235,20 @@ async def run_pipeline(cfg: Config, plan: RunPlan, *, env: dict[str, str], show:
                 key = Keys.eval_report(cfg.run)
                 if await asyncio.to_thread(store.exists, key):
                     report = msgspec.json.decode(await asyncio.to_thread(store.get_bytes, key))
-        print_artifacts(cfg, store, report)
+        print_artifacts(cfg, store, report, await run_status(cfg, bus, store))
         await sup.stop()
         return outcome
 
 
-def print_artifacts(cfg: Config, store: Store, report: dict | None) -> None:
+def print_artifacts(cfg: Config, store: Store, report: dict | None, st: RunStatus) -> None:
     run = cfg.run
-    print(f"\nrun {run} finished. Artifacts:")
+    dead = sum(st.dead_lettered.values())
+    print(f"\nrun {run}: {st.completed} of {st.total} prompts completed ({st.rejects} rejected at feed, {dead} dead "
+          f"letters); {st.tokenized_samples} training samples kept of {st.tokenized_records} records")
+    dropped = {r: n for r, n in st.dropped.items() if r != "duplicate"}
+    if dropped:
+        print("  dropped: " + ", ".join(f"{r} {n}" for r, n in dropped.items()) + f"  (listed by `dflash drops --run {run}`)")
+    print(f"run {run} finished. Artifacts:")
     print(f"  manifest      {store.uri(Keys.manifest(run))}")
     print(f"  rejects       {store.uri(Keys.rejects(run))}")
     print(f"  completions   {store.uri(f'runs/{run}/completions/')}")
