@@ -428,6 +428,20 @@ def test_train_kill9_resume_is_exact_and_eval_is_lossless(stack, stack_env, tmp_
     assert store.exists(Keys.checkpoint(run_a, TINY["max_steps"]) + "drafter/model.safetensors")
     drafter_cfg = json.loads(store.get_bytes(Keys.checkpoint(run_a, TINY["max_steps"]) + "drafter/config.json"))
     assert drafter_cfg["dflash_config"]["draft_vocab_size"] == 64
+    assert drafter_cfg["torch_dtype"] == "float32"  # SmolLM2's config.json, not a default
+
+    # A resume keeps what the weights were trained with, where today's rules would pick another mask token.
+    from services.trainer.train import Trainer
+
+    async def resume_with_another_mask() -> int:
+        cfg = make_config(stack, run_a, trainer={**TINY, "draft_vocab": 64, "init": "target"}, model={"device": "cpu"})
+        async with await Bus.connect(cfg.bus, "pytest", deadline_s=10) as bus:
+            trainer = await asyncio.to_thread(Trainer, cfg, bus, store)
+            trainer.drafter.config.mask_token_id += 1
+            assert await asyncio.to_thread(trainer.load_latest)
+            return trainer.drafter.config.mask_token_id
+
+    assert asyncio.run(resume_with_another_mask()) == drafter_cfg["dflash_config"]["mask_token_id"]
 
     # eval: real speculative decoding with the trained drafter, checked against plain greedy
     ev = subprocess.run([sys.executable, "-m", "shared.cli", "eval", "--run", run_a], env=env,
