@@ -252,3 +252,65 @@ async def test_a_conversation_the_template_refuses_is_dead_lettered_at_once(stac
 
 async def _completed_n(bus: Bus, run: str, n: int) -> bool:
     return len(await completed_ids(bus, run)) >= n
+
+
+async def test_a_completion_that_cannot_be_stored_fails_alone_and_the_shard_is_written(stack, bus, store):
+    """Arrow refuses text with a lone surrogate (an engine's JSON can carry one). That record's add() raises
+    Poison (its prompt becomes a dead letter with the reason); the others of the shard are written and
+    announced. Before, the whole shard's waiters hung (their prompts unacked, kept alive by heartbeats)."""
+    from services.generator.shards import ShardWriter
+    from shared.bus import Poison
+    from shared.messages import ChatMessage
+    from shared.records import CompletionRecord
+
+    cfg = make_config(stack)
+    writer = ShardWriter(bus, store, cfg.run, "w0", max_records=3, max_age_s=60.0)
+    await writer.start()
+
+    def record(pid: str, text: str) -> CompletionRecord:
+        return CompletionRecord(run=cfg.run, prompt_id=pid, messages=[ChatMessage(role="user", content=pid)],
+                                completion=text)
+
+    try:
+        results = await asyncio.wait_for(asyncio.gather(
+            writer.add(record("a", "fine")), writer.add(record("bad", "broken \ud800 text")),
+            writer.add(record("c", "also fine")), return_exceptions=True), 30)
+    finally:
+        await writer.close(timeout_s=10)
+    assert results[0] is None and results[2] is None
+    assert isinstance(results[1], Poison) and "cannot be stored" in str(results[1]), results
+    (event,) = await shard_events(bus, cfg.run)
+    assert event.prompt_ids == ["a", "c"]
+    assert [r.prompt_id for r in read_completions(store.get_bytes(event.key))] == ["a", "c"]
+
+
+async def test_close_gives_up_on_a_shard_it_cannot_write_after_its_timeout(stack, bus, store):
+    """S3 down at shutdown: close() stops retrying after its timeout instead of hanging the process (the
+    records' prompts were nak'ed when their handlers were cancelled, so they come back)."""
+    import time as _time
+
+    from services.generator.shards import ShardWriter
+    from shared.messages import ChatMessage
+    from shared.records import CompletionRecord
+
+    cfg = make_config(stack)
+    writer = ShardWriter(bus, store, cfg.run, "w1", max_records=100, max_age_s=60.0)
+    await writer.start()
+    pending = asyncio.create_task(writer.add(CompletionRecord(
+        run=cfg.run, prompt_id="p", messages=[ChatMessage(role="user", content="q")], completion="a")))
+    await asyncio.sleep(0.1)
+    stack.stop_component("s3")
+    try:
+        flush = asyncio.create_task(writer.flush())  # takes the record, then retries while S3 is down
+        await asyncio.sleep(1.0)
+        assert not flush.done() and not pending.done()
+        pending.cancel()  # what the bus does to a handler at the end of the grace period
+        t0 = _time.monotonic()
+        await writer.close(timeout_s=2.0)
+        assert _time.monotonic() - t0 < 6.0
+        flush.cancel()
+        await asyncio.gather(flush, pending, return_exceptions=True)
+    finally:
+        stack.start_s3()
+        stack.wait_healthy()
+    assert await shard_events(bus, cfg.run) == []  # nothing was announced that is not in S3

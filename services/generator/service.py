@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import time
 
@@ -131,10 +132,11 @@ class Generator:
         tokens and shards come from this worker's durable shard log (exact); prompt tokens, errors
         and finish reasons from its last progress event (what it had published before it died)."""
         events = [e async for _, e in self.bus.replay("SHARDS", Subjects.shards(self.run), 1, ShardWritten)]
-        mine = [e for e in events if e.worker == self.worker]
+        # one event per shard: a shard announced again after the duplicate window (a restart a day later) counts once
+        mine = list({e.key: e for e in events if e.worker == self.worker}.values())
         self.completions += sum(e.num_records for e in mine)
         self.completion_tokens += sum(e.completion_tokens for e in mine)
-        self.shards.shards_written += len({e.key for e in mine})
+        self.shards.shards_written += len(mine)
         for _, last in await self.bus.latest_per_subject("PROGRESS", subject):
             if isinstance(last, GeneratorProgress):
                 self.prompt_tokens += last.prompt_tokens
@@ -154,14 +156,19 @@ class Generator:
             finally:
                 drained.cancel()
                 self.state = "stopped"
-                await self.shards.close()
+                await self.shards.close(timeout_s=self.cfg.generator.drain_s)
         return self.stats
 
     async def _flush_when_stopping(self, stop: asyncio.Event) -> None:
-        """While draining, write what is buffered as soon as no generation is still running."""
+        """While draining, write what is buffered every second: a generation still running must not hold
+        back the finished ones until the grace period cancels them (their prompts would be generated again)."""
         await stop.wait()
         self.state = "draining"
         self.shards.idle_s = 0.0
+        while True:
+            with contextlib.suppress(Exception):  # the writer logs; the next round tries again
+                await asyncio.shield(self.shards.flush())  # cancelling the drain must not cut a write short
+            await asyncio.sleep(1.0)
 
 
 async def run_generator(cfg: Config, worker: str, *, gpu: int | None = None, stop: asyncio.Event | None = None) -> WorkStats:

@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from shared.bus import Bus
+from shared.bus import Bus, Poison
 from shared.messages import ShardWritten, Subjects
 from shared.records import CompletionRecord, completions_to_parquet, read_completions
 from shared.store import Keys, ObjectConflict, Store
@@ -100,7 +100,10 @@ class ShardWriter:
             idle = self.idle_for()
             if self._records and (time.monotonic() - self._oldest >= self.max_age_s
                                   or (idle is not None and idle >= self.idle_s)):
-                await self.flush()
+                try:
+                    await self.flush()
+                except Exception:  # never let the timer die: later shards would wait for max_records only
+                    log.exception("shard flush failed")
 
     async def flush(self) -> None:
         async with self._lock:
@@ -108,7 +111,9 @@ class ShardWriter:
                 return
             records, waiters = self._records, self._waiters
             self._records, self._waiters = [], []
-            data = completions_to_parquet(records)
+            records, waiters, data = await self._storable(records, waiters)
+            if not records:
+                return
             delay = 1.0
             while True:
                 key = Keys.completions(self.run, self.worker, self.seq)
@@ -134,9 +139,41 @@ class ShardWriter:
                 if not fut.done():
                     fut.set_result(None)
 
-    async def close(self) -> None:
-        await asyncio.gather(*self._flushes, return_exceptions=True)
-        await self.flush()
-        if self._timer:
-            self._timer.cancel()
-            await asyncio.gather(self._timer, return_exceptions=True)
+    async def _storable(self, records: list[CompletionRecord], waiters: list[asyncio.Future[None]]
+                        ) -> tuple[list[CompletionRecord], list[asyncio.Future[None]], bytes]:
+        """The shard's Parquet bytes (built off the event loop). A record that cannot be stored (text Arrow
+        refuses, such as a lone surrogate from an engine's JSON) fails alone, as Poison: its prompt becomes a
+        dead letter with the reason, the others are written; it must not leave the whole shard unacked."""
+        try:
+            return records, waiters, await asyncio.to_thread(completions_to_parquet, records)
+        except Exception:
+            pass
+        keep: list[tuple[CompletionRecord, asyncio.Future[None]]] = []
+        for record, fut in zip(records, waiters, strict=True):
+            try:
+                await asyncio.to_thread(completions_to_parquet, [record])
+                keep.append((record, fut))
+            except Exception as e:
+                log.error("completion of %s cannot be stored: %s", record.prompt_id, e)
+                if not fut.done():
+                    fut.set_exception(Poison(f"completion cannot be stored in a shard: {type(e).__name__}: {e}"))
+        records, waiters = [r for r, _ in keep], [f for _, f in keep]
+        return records, waiters, (await asyncio.to_thread(completions_to_parquet, records) if records else b"")
+
+    async def close(self, timeout_s: float | None = None) -> None:
+        """Write what is left. With `timeout_s`, give up after it (S3 or NATS still down at shutdown): the
+        prompts of what is not written were nak'ed when their handlers were cancelled, so nothing is lost."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                await asyncio.gather(*self._flushes, return_exceptions=True)
+                await self.flush()
+        except TimeoutError:
+            unwritten = self.buffered + sum(1 for t in self._flushes if not t.done())
+            log.warning("shutdown: shard writes still failing after %.0fs; giving up on them (%d buffered records; "
+                        "their prompts go back to the queue)", timeout_s, unwritten)
+            for task in list(self._flushes):
+                task.cancel()
+        finally:
+            if self._timer:
+                self._timer.cancel()
+                await asyncio.gather(self._timer, return_exceptions=True)
