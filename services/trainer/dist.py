@@ -25,10 +25,12 @@ class Dist:
     local_rank: int = 0
 
     @classmethod
-    def from_env(cls) -> Dist:
+    def from_env(cls, device: str = "auto") -> Dist:
+        """`device` is the configured model device: NCCL only when the ranks train on GPUs."""
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world > 1 and not dist.is_initialized():
-            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+            gpus = device != "cpu" and torch.cuda.is_available()
+            dist.init_process_group("nccl" if gpus else "gloo")
         return cls(int(os.environ.get("RANK", "0")), world, int(os.environ.get("LOCAL_RANK", "0")))
 
     @property
@@ -77,7 +79,9 @@ class Dist:
         if self.world == 1:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=0)
+        # the device the objects travel through: NCCL would otherwise use the current CUDA device (0 on every
+        # rank, and in the worker threads these calls run in), colliding across ranks
+        dist.broadcast_object_list(box, src=0, device=torch.device(self.comm_device))
         return box[0]
 
     def close(self) -> None:

@@ -53,8 +53,14 @@ class Cursor:
     shards: dict[str, tuple[str, int]] = field(default_factory=dict)  # every announcement taken: key → (fingerprint, seq)
 
 
-def lr_lambda(total: int, warmup_ratio: float):
-    warm = max(1, round(total * warmup_ratio))
+def warmup_steps(total: int, warmup_ratio: float) -> int:
+    return max(1, round(total * warmup_ratio))
+
+
+def lr_lambda(total: int, warm: int):
+    """Linear warmup over `warm` steps (fixed when the run is first planned: a plan stretched by data that
+    joins later must not send the lr back into warmup), then cosine to 0 at `total`."""
+    warm = max(1, warm)
 
     def f(step: int) -> float:
         if step < warm:
@@ -167,6 +173,7 @@ class Trainer:
         self.opt = torch.optim.AdamW(self.drafter.parameters(), lr=t.lr, weight_decay=t.weight_decay)
         self.step = 0
         self.total_steps = 0
+        self.warmup = 1  # steps, set with the first plan
         self.cursor = Cursor()
         self.sched: Any = None
         self.last = TrainerProgress(run=self.run, worker=worker, state="starting")
@@ -204,7 +211,7 @@ class Trainer:
     def _steps_per_epoch(self, samples: list[TokenizedSample]) -> int:
         t = self.cfg.trainer
         avg = sum(min(s.num_tokens, t.max_length) for s in samples) / max(1, len(samples))
-        per_step = t.grad_accum * max(1, int(t.token_budget // max(1.0, avg)))
+        per_step = t.grad_accum * self.dist.world * max(1, int(t.token_budget // max(1.0, avg)))  # every rank's
         return math.ceil(len(samples) / per_step)
 
     def _replan(self, samples: list[TokenizedSample]) -> None:
@@ -218,7 +225,7 @@ class Trainer:
             log.info("%d samples from epoch %d: total steps %d → %d", len(samples), self.cursor.epoch,
                      self.total_steps, total)
             self.total_steps = total
-            self.sched.lr_lambdas = [lr_lambda(total, t.warmup_ratio)]  # a resume rebuilds it from total_steps
+            self.sched.lr_lambdas = [lr_lambda(total, self.warmup)]  # a resume rebuilds it from total_steps
 
     # --- checkpoints -------------------------------------------------------------------------
 
@@ -230,7 +237,7 @@ class Trainer:
         try:
             self.drafter.save(tmp / "drafter")
             torch.save({"optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(), "step": self.step,
-                        "total_steps": self.total_steps, "cursor": self.cursor.__dict__,
+                        "total_steps": self.total_steps, "warmup_steps": self.warmup, "cursor": self.cursor.__dict__,
                         "samples_seen": self.samples_seen, "train_s": self.train_s,
                         "progress": msgspec.to_builtins(self.last),
                         "torch_rng": torch.get_rng_state()}, tmp / "state.pt")
@@ -266,9 +273,10 @@ class Trainer:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         self.step, self.total_steps = state["step"], state["total_steps"]
+        self.warmup = state.get("warmup_steps") or warmup_steps(self.total_steps, self.cfg.trainer.warmup_ratio)
         # The scheduler first (its constructor rewrites the groups' lr), then the optimizer's saved
         # state (the lr the next step must use), then the scheduler's position.
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(self.total_steps, self.cfg.trainer.warmup_ratio))
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(self.total_steps, self.warmup))
         self.opt.load_state_dict(state["optimizer"])
         self.sched.load_state_dict(state["scheduler"])
         self.cursor = Cursor(**state["cursor"])
@@ -309,6 +317,11 @@ class Trainer:
             self.cursor.position += 1
         return out
 
+    def _trained_weights(self, b: Blocks) -> torch.Tensor:
+        if self.drafter.draft_vocab is None:
+            return b.weights
+        return b.weights * (self.drafter.vocab_rows(b.labels) >= 0)
+
     def train_step(self, samples: list[TokenizedSample], order: list[int]) -> dict | None:
         t, c = self.cfg.trainer, self.drafter.config
         micro = []
@@ -322,7 +335,8 @@ class Trainer:
         # every rank builds every micro-batch's blocks: loss = Σ w·CE / Σ w over the whole optimizer step
         blocks = [[sequence_blocks(s, t.anchors_per_sequence, t.seed, self.step, pos, t.max_length, c.block_size,
                                    c.mask_token_id) for pos, s in mb] for mb in micro]
-        weight_sum = sum(float(b.weights.sum()) for bs in blocks for b in bs if b is not None)
+        # labels outside a draft vocabulary are out of the loss, so out of its normaliser too
+        weight_sum = sum(float(self._trained_weights(b).sum()) for bs in blocks for b in bs if b is not None)
         stats = {"loss_sum": 0.0, "tokens": 0, "target_s": 0.0, "hits": torch.zeros(c.block_size),
                  "counts": torch.zeros(c.block_size)}
         t0 = time.perf_counter()
@@ -350,7 +364,7 @@ class Trainer:
         self.train_s += self.dist.from_main(elapsed)  # rank 0's clock, so every rank agrees on the budget
         if t.max_train_s > 0:  # the schedule runs on whichever of steps and time is further along
             frac = max(self.step / self.total_steps, self.train_s / t.max_train_s)
-            factor = lr_lambda(self.total_steps, t.warmup_ratio)(min(self.total_steps, round(frac * self.total_steps)))
+            factor = lr_lambda(self.total_steps, self.warmup)(min(self.total_steps, round(frac * self.total_steps)))
             for group in self.opt.param_groups:
                 group["lr"] = t.lr * factor
         totals = self.dist.sum(torch.tensor([stats["loss_sum"], stats["tokens"], stats["target_s"], elapsed],
@@ -382,10 +396,11 @@ class Trainer:
                     raise RuntimeError(f"run {self.run}: tokenized shards hold no trainable sample")
                 self.cursor = Cursor(epoch=0, position=0, keys=keys, shards=self.cursor.shards)
                 self.total_steps = self._plan_total(samples)
+                self.warmup = warmup_steps(self.total_steps, t.warmup_ratio)
                 if t.draft_vocab:  # from the data at the start, the same on every rank; kept in checkpoints
                     self.drafter.set_draft_vocab(draft_vocab_ids(samples, t.draft_vocab, self.drafter.config.vocab_size))
                     log.info("draft vocabulary: %d ids", t.draft_vocab)
-                self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(self.total_steps, t.warmup_ratio))
+                self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(self.total_steps, self.warmup))
             order = epoch_order(len(samples), t.seed, self.cursor.epoch)
             while self.step < self.total_steps and not self.out_of_time() and \
                     not await asyncio.to_thread(self.dist.any, stop.is_set()):
@@ -432,7 +447,7 @@ async def run_trainer(cfg: Config, *, stop: asyncio.Event | None = None) -> Trai
         stop = asyncio.Event()
         install_stop_signals(stop)
     torch.manual_seed(cfg.trainer.seed)  # the same initial drafter on every rank
-    ranks = Dist.from_env()
+    ranks = Dist.from_env(cfg.model.device)
     store = await asyncio.to_thread(Store.open, cfg)
     try:
         async with await Bus.connect(cfg.bus, f"trainer-{ranks.rank}", deadline_s=60) as bus:
