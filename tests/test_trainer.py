@@ -119,6 +119,16 @@ def test_fused_head_loss_with_soft_labels_matches_autograd(dtype: torch.dtype) -
     assert float(same) != pytest.approx(float(loss.detach()))  # the teacher did change the loss
 
 
+def test_training_data_is_the_template_that_appeared_last_whatever_is_announced_later() -> None:
+    from services.trainer.data import newest_keys
+
+    shards = {"fp1/a": ("fp1", 1), "fp1/b": ("fp1", 2), "fp2/a": ("fp2", 3), "fp2/b": ("fp2", 4)}
+    assert newest_keys(shards) == ["fp2/a", "fp2/b"]
+    # a tokenizer still on the old template writes one more shard after the re-tokenization began
+    assert newest_keys({**shards, "fp1/c": ("fp1", 9)}) == ["fp2/a", "fp2/b"]
+    assert newest_keys({}) == []
+
+
 def test_feature_layers_follow_the_papers_rule() -> None:
     assert feature_layer_ids(36, 5) == [1, 9, 17, 25, 33]
     assert feature_layer_ids(30, 5) == [1, 8, 14, 21, 27]  # SmolLM2-135M

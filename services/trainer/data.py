@@ -27,10 +27,16 @@ def held_out(prompt_id: str, holdout_mod: int) -> bool:
 
 
 def newest_keys(shards: dict[str, tuple[str, int]]) -> list[str]:
-    """{key: (fingerprint, stream seq)} → the keys of the fingerprint announced last."""
+    """{key: (fingerprint, stream seq of its first announcement)} → the keys of the fingerprint that
+    appeared last. By each fingerprint's first announcement, not its latest: an old template's shard
+    announced again (a tokenizer still running it, a re-announcement after a restart) must not send
+    training back to the superseded output."""
     if not shards:
         return []
-    newest = max(shards.values(), key=lambda v: v[1])[0]
+    first: dict[str, int] = {}
+    for fp, seq in shards.values():
+        first[fp] = min(seq, first.get(fp, seq))
+    newest = max(first, key=first.__getitem__)
     return sorted(k for k, (fp, _) in shards.items() if fp == newest)
 
 
@@ -59,7 +65,7 @@ class ShardFeed:
     async def _handle(self, d: Delivery) -> None:
         e: TokenizedShard = d.data
         if e.num_samples > 0:
-            self.shards[e.key] = (e.fingerprint, d.stream_seq)
+            self.shards.setdefault(e.key, (e.fingerprint, d.stream_seq))  # a key's first announcement
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiting.append(done)
         await done  # acked (by the bus) when this returns: after the next checkpoint
@@ -96,8 +102,11 @@ class ShardFeed:
 
 async def shard_keys(bus: Bus, run: str) -> list[str]:
     """The newest fingerprint's shard keys, read from the whole log (for `dflash eval` and readers)."""
-    return newest_keys({e.key: (e.fingerprint, seq) async for seq, e in
-                        bus.replay("TOKENIZED", Subjects.tokenized(run), 1, TokenizedShard) if e.num_samples > 0})
+    shards: dict[str, tuple[str, int]] = {}
+    async for seq, e in bus.replay("TOKENIZED", Subjects.tokenized(run), 1, TokenizedShard):
+        if e.num_samples > 0:
+            shards.setdefault(e.key, (e.fingerprint, seq))  # a key's first announcement
+    return newest_keys(shards)
 
 
 def load_samples(store: Store, keys: list[str], *, holdout_mod: int, train: bool) -> list[TokenizedSample]:
