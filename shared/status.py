@@ -68,8 +68,8 @@ class DurableLog:
         self.prompts: set[int] = set()
         self.shard_keys: set[str] = set()
         self.records = 0
-        self._tokenized: dict[str, TokenizedShard] = {}  # completion shard key -> its latest tokenized shard
-        self._quality = _QualityTotals()  # summed over self._tokenized, kept current event by event
+        self.tokenized: dict[str, TokenizedShard] = {}  # completion shard key -> its latest tokenized shard
+        self._quality = _QualityTotals()  # summed over self.tokenized, kept current event by event
         self.completed_points: deque[tuple[float, int]] = deque(maxlen=POINTS)
         self.tokenized_points: deque[tuple[float, int]] = deque(maxlen=POINTS)
 
@@ -86,20 +86,20 @@ class DurableLog:
             self.prompts.update(hash(p) for p in event.prompt_ids)
             self.completed_points.append((event.ts, self.completed))
         else:
-            previous = self._tokenized.get(event.source_key)
+            previous = self.tokenized.get(event.source_key)
             if previous is not None and previous.key == event.key:
                 return  # the same tokenized shard announced again (from S3, maybe without the numbers): nothing new
             if previous is not None:
                 self._quality.add(previous, -1)
-            self._tokenized[event.source_key] = event
+            self.tokenized[event.source_key] = event
             self._quality.add(event, 1)
             if previous is None:
-                self.tokenized_points.append((event.ts, len(self._tokenized)))
+                self.tokenized_points.append((event.ts, len(self.tokenized)))
 
     def counts(self) -> DurableCounts:
         q = self._quality
         return DurableCounts(
-            self.completed, self.records, len(self.shard_keys), len(self._tokenized), q.kept, tuple(self.completed_points),
+            self.completed, self.records, len(self.shard_keys), len(self.tokenized), q.kept, tuple(self.completed_points),
             tuple(self.tokenized_points), samples_in=q.samples_in, supervised_tokens=q.supervised_tokens,
             dropped=dict(+q.dropped), histogram=dict(+q.histogram), drift=q.drift,
         )
@@ -147,7 +147,9 @@ class RunStatus(msgspec.Struct, kw_only=True):
     trainer_step: int | None = None
 
 
-async def run_status(cfg: Config, bus: Bus, store: Store | None) -> RunStatus:
+async def run_status(cfg: Config, bus: Bus, store: Store | None, log: DurableLog | None = None) -> RunStatus:
+    """`log`, when given, is the (empty) DurableLog to fold the run's shard events into, for callers that
+    need more of them than the status holds."""
     run = cfg.run
     st = RunStatus(run=run)
     if store is not None:
@@ -156,7 +158,7 @@ async def run_status(cfg: Config, bus: Bus, store: Store | None) -> RunStatus:
             manifest = msgspec.json.decode(await asyncio.to_thread(store.get_bytes, key))
             st.total = int(manifest.get("total_accepted", 0))
             st.rejects = int(manifest.get("total_rejected", 0))
-    log = DurableLog()
+    log = DurableLog() if log is None else log
     async for _, event in bus.replay("SHARDS", Subjects.shards(run), 1, ShardWritten):
         log.add(event)
     async for _, event in bus.replay("TOKENIZED", Subjects.tokenized(run), 1, TokenizedShard):

@@ -22,8 +22,8 @@ import msgspec
 
 from shared.bus import Bus
 from shared.config import Config, data_dir
-from shared.messages import Alert, ShardWritten, Subjects, TokenizedShard, TrainerProgress
-from shared.status import RunStatus, run_status
+from shared.messages import Alert, Subjects, TrainerProgress
+from shared.status import DurableLog, RunStatus, run_status
 from shared.store import Keys, Store
 
 from .supervisor import ServiceSpec, ServiceState, Supervisor
@@ -84,13 +84,10 @@ class Picture:
     alerts: list[Alert]
 
 
-async def picture(cfg: Config, bus: Bus, store: Store, fingerprint_filter: str | None = None) -> Picture:
-    st = await run_status(cfg, bus, store)
-    shard_keys = {e.key async for _, e in bus.replay("SHARDS", Subjects.shards(cfg.run), 1, ShardWritten)}
-    tokenized: dict[str, TokenizedShard] = {}
-    async for _, t in bus.replay("TOKENIZED", Subjects.tokenized(cfg.run), 1, TokenizedShard):
-        if fingerprint_filter is None or t.fingerprint == fingerprint_filter:
-            tokenized[t.source_key] = t
+async def picture(cfg: Config, bus: Bus, store: Store) -> Picture:
+    log = DurableLog()
+    st = await run_status(cfg, bus, store, log)  # one replay of the shard logs serves the status and this
+    shard_keys = log.shard_keys
     trainer = None
     for _, p in await bus.latest_per_subject("PROGRESS", f"dflash.{cfg.run}.train.progress.*"):
         if isinstance(p, TrainerProgress) and (trainer is None or p.step > trainer.step):
@@ -98,8 +95,8 @@ async def picture(cfg: Config, bus: Bus, store: Store, fingerprint_filter: str |
     feed_done = await asyncio.to_thread(store.exists, Keys.manifest(cfg.run))
     return Picture(
         status=st, feed_done=feed_done, shards=len(shard_keys),
-        tokenized_shards=len(set(tokenized) & shard_keys),
-        tokenized_samples=sum(t.num_samples for k, t in tokenized.items() if k in shard_keys),
+        tokenized_shards=len(log.tokenized.keys() & shard_keys),
+        tokenized_samples=sum(t.num_samples for k, t in log.tokenized.items() if k in shard_keys),
         tokenize_dead=st.dead_lettered.get("tokenize", 0), trainer=trainer, alerts=st.alerts,
     )
 
