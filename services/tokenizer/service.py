@@ -227,11 +227,11 @@ class TokenizerService:
             c.supervised_tokens += event.num_supervised
             c.drift += built.drift
             c.exact += built.exact
-            c.dropped.update(built.dropped())
+            c.dropped.update(summary["dropped"])
             c.histogram.update(summary["supervised_histogram"])
             log.info("%s: %d/%d samples kept, %d tokens (%d supervised), drift %d, dropped %s", key,
                      len(built.samples), len(records), event.num_tokens, event.num_supervised, built.drift,
-                     dict(built.dropped()) or "none")
+                     summary["dropped"] or "none")
             return event
 
     async def _read_source(self, ev: ShardWritten) -> bytes:
