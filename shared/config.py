@@ -153,7 +153,7 @@ class TrainerConfig(Section):
     seed: int = 0
     holdout_mod: int = 20  # every 20th prompt (by id hash) is held out of training for `dflash eval`
     progress_every: int = 1  # steps between TrainerProgress events
-    wait_for_data_s: float = 3600.0  # how long to wait for the first tokenized shard
+    wait_for_data_s: float = 3600.0  # how long to wait for the first tokenized shard, and for a new one while the data is incomplete
     eval_prompts: int = 16
     eval_max_new_tokens: int = 64
     # Stop after this much training time (0: no limit), checkpointed as "done"; the cosine schedule then

@@ -203,6 +203,56 @@ async def run_status(cfg: Config, bus: Bus, store: Store | None, log: DurableLog
     return st
 
 
+@dataclass
+class Picture:
+    """A run's stages as the bus and S3 have them: what `dflash run` shows and phases by, and what the
+    trainer asks before it counts a pass over the data as an epoch."""
+
+    status: RunStatus
+    feed_done: bool
+    shards: int
+    tokenized_shards: int
+    tokenized_samples: int
+    tokenize_dead: int
+    trainer: TrainerProgress | None
+    alerts: list[Alert]
+
+
+async def picture(cfg: Config, bus: Bus, store: Store) -> Picture:
+    log = DurableLog()
+    st = await run_status(cfg, bus, store, log)  # one replay of the shard logs serves the status and this
+    shard_keys = log.shard_keys
+    trainer = None
+    for _, p in await bus.latest_per_subject("PROGRESS", f"dflash.{cfg.run}.train.progress.*"):
+        if isinstance(p, TrainerProgress) and (trainer is None or p.step > trainer.step):
+            trainer = p
+    feed_done = await asyncio.to_thread(store.exists, Keys.manifest(cfg.run))
+    return Picture(
+        status=st, feed_done=feed_done, shards=len(shard_keys),
+        tokenized_shards=len(log.tokenized.keys() & shard_keys),
+        tokenized_samples=sum(t.num_samples for k, t in log.tokenized.items() if k in shard_keys),
+        tokenize_dead=st.dead_lettered.get("tokenize", 0), trainer=trainer, alerts=st.alerts,
+    )
+
+
+def generation_done(p: Picture) -> bool:
+    st = p.status
+    return p.feed_done and st.total > 0 and st.completed + st.dead_lettered.get("generate", 0) >= st.total \
+        and st.in_flight == 0
+
+
+def tokenization_done(p: Picture) -> bool:
+    return p.shards > 0 and p.tokenized_shards + p.tokenize_dead >= p.shards
+
+
+def data_complete(p: Picture) -> bool:
+    """The run's training data is all there: generation and tokenization are done, or nothing was ever
+    fed or generated (then the tokenized shards announced by hand are the whole of it)."""
+    st = p.status
+    nothing_fed = not p.feed_done and st.total == 0 and st.queued == 0 and st.in_flight == 0 and p.shards == 0
+    return nothing_fed or (generation_done(p) and tokenization_done(p))
+
+
 def _duration(s: float | None) -> str:
     if s is None:
         return "unknown (no live generator)"

@@ -333,8 +333,9 @@ def _records(run: str, n: int, first: int = 0) -> list[CompletionRecord]:
             for i, p in enumerate(prompts, start=first)]
 
 
-def publish_tokenized(stack, run: str, n: int = 30, first: int = 0) -> int:
-    """Tokenize real records with the real SmolLM2 template, write them as a shard, announce it."""
+def publish_tokenized(stack, run: str, n: int = 30, first: int = 0, source_key: str = "-") -> int:
+    """Tokenize real records with the real SmolLM2 template, write them as a shard, announce it (as
+    built from the completion shard `source_key`)."""
     from services.tokenizer.fingerprint import load_target_tokenizer, template_fingerprint
     from services.tokenizer.samples import SampleBuilder
 
@@ -353,7 +354,7 @@ def publish_tokenized(stack, run: str, n: int = 30, first: int = 0) -> int:
         async with await Bus.connect(cfg.bus, "pytest", deadline_s=10) as bus:
             await bus.ensure_streams()
             await bus.publish(Subjects.tokenized(run), TokenizedShard(
-                run=run, key=key, source_key="-", fingerprint=fp, num_samples=n,
+                run=run, key=key, source_key=source_key, fingerprint=fp, num_samples=n,
                 num_tokens=sum(s.num_tokens for s in built.samples),
                 num_supervised=sum(s.num_supervised for s in built.samples), sha256=hashlib.sha256(data).hexdigest()),
                 msg_id=key)
@@ -552,3 +553,97 @@ def test_data_arriving_mid_run_joins_the_next_epoch_and_stretches_the_plan(stack
     assert first.epoch == 0 and last.epoch == 2, (first, last)
     assert last.total_steps > first.total_steps and max(history) > first.total_steps, (first, last)
     assert f"total steps {first.total_steps} → {last.total_steps}" in (tmp_path / "t.log").read_text()
+
+
+def _feed(stack, stack_env: dict, run: str, tmp_path: Path, n: int = 4) -> list[str]:
+    """`dflash feed` of n prompts (the run's manifest says n accepted); their prompt ids."""
+    from shared.messages import PromptTask
+
+    src = tmp_path / "prompts.jsonl"
+    src.write_text("".join(json.dumps({"prompt": f"Name {i + 2} colours."}) + "\n" for i in range(n)))
+    subprocess.run([sys.executable, "-m", "shared.cli", "feed", str(src), "--run", run], env=stack_env, check=True,
+                   capture_output=True)
+
+    async def ids() -> list[str]:
+        async with await Bus.connect(make_config(stack, run).bus, "pytest", deadline_s=10) as bus:
+            return [t.prompt_id async for _, t in bus.replay("PROMPTS", Subjects.prompts(run), 1, PromptTask)]
+
+    return asyncio.run(ids())
+
+
+def _publish_generated(stack, run: str, prompt_ids: list[str]) -> str:
+    """A completion shard's announcement covering `prompt_ids` (the generator's ShardWritten); its key."""
+    from shared.messages import ShardWritten
+
+    key = f"runs/{run}/completions/w0-00000000.parquet"
+
+    async def announce() -> None:
+        async with await Bus.connect(make_config(stack, run).bus, "pytest", deadline_s=10) as bus:
+            await bus.publish(Subjects.shards(run), ShardWritten(
+                run=run, key=key, worker="w0", seq=0, num_records=len(prompt_ids), prompt_ids=prompt_ids,
+                sha256="0" * 64, size_bytes=1), msg_id=key)
+
+    asyncio.run(announce())
+    return key
+
+
+def _checkpoint_state(stack, run: str) -> dict:
+    from services.trainer.train import latest_key
+
+    store = Store.open(make_config(stack, run))
+    prefix = json.loads(store.get_bytes(latest_key(run)))["key"]
+    return torch.load(io.BytesIO(store.get_bytes(prefix + "state.pt")), weights_only=False)
+
+
+def _wait_for_line(proc: subprocess.Popen, log: Path, text: str, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while text not in log.read_text():
+        assert proc.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.5)
+
+
+def test_epochs_are_counted_over_the_whole_data_once_generation_is_done(stack, stack_env, tmp_path: Path) -> None:
+    """A trainer started while the run still generates (prompts fed, not all completed) trains on the
+    shard there is, but that pass is not an epoch: it then waits for new data instead of finishing its
+    epochs on a fraction of the run. Once every prompt is generated and tokenized, the epochs run over
+    all of it."""
+    run = new_run()
+    fed = _feed(stack, stack_env, run, tmp_path)
+    publish_tokenized(stack, run, 30)  # tokenized before generation is done
+    log = tmp_path / "t.log"
+    proc = _spawn(_env(stack_env, max_steps=0, epochs=2, token_budget=150, checkpoint_every=100,
+                       wait_for_data_s=600), run, log, "train")
+    _wait_for_line(proc, log, "waiting for one")  # one pass made, then waiting: not done after 2 passes' worth
+    time.sleep(3)
+    assert proc.poll() is None
+    partial = progress_history(stack, run)
+    assert {p.epoch for p in partial.values()} == {0}, partial
+
+    source = _publish_generated(stack, run, fed)  # every fed prompt completed ...
+    publish_tokenized(stack, run, 30, first=30, source_key=source)  # ... and its shard tokenized: complete
+    assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
+    history = progress_history(stack, run)
+    last = history[max(history)]
+    cursor = _checkpoint_state(stack, run)["cursor"]
+    # The uncounted pass, then 2 epochs over all the data. (A second uncounted pass, over all of it, when
+    # the trainer took the last shard between its completeness check and its read of the shard list.)
+    assert cursor["partial"] in (1, 2) and cursor["complete"], cursor
+    assert {p.epoch for p in history.values()} == set(range(cursor["partial"] + 2)), history
+    assert last.total_steps > max(partial) and max(history) == last.total_steps
+
+
+def test_data_that_stops_growing_unfinished_is_trained_on_after_wait_for_data_s(stack, stack_env, tmp_path: Path) -> None:
+    """Generators gone with prompts left: after `wait_for_data_s` without a new shard the trainer says
+    so and runs its epochs over the data there is, instead of waiting for ever."""
+    run = new_run()
+    _feed(stack, stack_env, run, tmp_path)
+    publish_tokenized(stack, run, 30)
+    log = tmp_path / "t.log"
+    proc = _spawn(_env(stack_env, max_steps=0, epochs=1, token_budget=150, checkpoint_every=100, wait_for_data_s=4),
+                  run, log, "train")
+    assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
+    assert "no new shard for 4s and the run's data is not complete" in log.read_text()
+    history = progress_history(stack, run)
+    assert {p.epoch for p in history.values()} == {0, 1}
+    assert _checkpoint_state(stack, run)["cursor"]["partial"] == 1

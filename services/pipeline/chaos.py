@@ -33,9 +33,10 @@ from shared.config import Config, load_config
 from shared.messages import ShardWritten, Subjects, TokenizedShard
 from shared.records import dedupe_completions, read_completions, read_sample_generations
 from shared.stack import EmbeddedStack, Ports
+from shared.status import generation_done, picture, tokenization_done
 from shared.store import Store
 
-from .run import BUNDLED_PROMPTS, RunPlan, generation_done, picture, service_specs, tokenization_done
+from .run import BUNDLED_PROMPTS, RunPlan, service_specs
 from .supervisor import Supervisor
 
 FAULTS = ("kill_generator", "kill_tokenizer", "kill_trainer", "restart_nats", "s3_down")

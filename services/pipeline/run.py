@@ -22,8 +22,8 @@ import msgspec
 
 from shared.bus import Bus
 from shared.config import Config, data_dir
-from shared.messages import Alert, Subjects, TrainerProgress
-from shared.status import DurableLog, RunStatus, run_status
+from shared.messages import Alert, Subjects
+from shared.status import Picture, RunStatus, generation_done, picture, run_status, tokenization_done
 from shared.store import Keys, Store
 
 from .supervisor import ServiceSpec, ServiceState, Supervisor
@@ -68,47 +68,6 @@ def service_specs(cfg: Config, plan: RunPlan) -> list[ServiceSpec]:
     for s in specs:
         s.env.update(plan.extra_env)
     return specs
-
-
-@dataclass
-class Picture:
-    """What the terminal shows, rebuilt from the bus every couple of seconds."""
-
-    status: RunStatus
-    feed_done: bool
-    shards: int
-    tokenized_shards: int
-    tokenized_samples: int
-    tokenize_dead: int
-    trainer: TrainerProgress | None
-    alerts: list[Alert]
-
-
-async def picture(cfg: Config, bus: Bus, store: Store) -> Picture:
-    log = DurableLog()
-    st = await run_status(cfg, bus, store, log)  # one replay of the shard logs serves the status and this
-    shard_keys = log.shard_keys
-    trainer = None
-    for _, p in await bus.latest_per_subject("PROGRESS", f"dflash.{cfg.run}.train.progress.*"):
-        if isinstance(p, TrainerProgress) and (trainer is None or p.step > trainer.step):
-            trainer = p
-    feed_done = await asyncio.to_thread(store.exists, Keys.manifest(cfg.run))
-    return Picture(
-        status=st, feed_done=feed_done, shards=len(shard_keys),
-        tokenized_shards=len(log.tokenized.keys() & shard_keys),
-        tokenized_samples=sum(t.num_samples for k, t in log.tokenized.items() if k in shard_keys),
-        tokenize_dead=st.dead_lettered.get("tokenize", 0), trainer=trainer, alerts=st.alerts,
-    )
-
-
-def generation_done(p: Picture) -> bool:
-    st = p.status
-    return p.feed_done and st.total > 0 and st.completed + st.dead_lettered.get("generate", 0) >= st.total \
-        and st.in_flight == 0
-
-
-def tokenization_done(p: Picture) -> bool:
-    return p.shards > 0 and p.tokenized_shards + p.tokenize_dead >= p.shards
 
 
 class Display:

@@ -29,6 +29,7 @@ from shared.bus import Bus, ProgressLoop
 from shared.config import Config
 from shared.messages import Subjects, TrainerProgress
 from shared.records import TokenizedSample
+from shared.status import data_complete, picture
 from shared.store import Keys, Store
 
 from .blocks import Blocks, estimated_tau, label_states, make_blocks, sample_anchors
@@ -51,6 +52,13 @@ class Cursor:
     position: int = 0  # index into the epoch's order
     keys: list[str] = field(default_factory=list)  # the epoch's shard list
     shards: dict[str, tuple[str, int]] = field(default_factory=dict)  # every announcement taken: key → (fingerprint, seq)
+    complete: bool = True  # this pass's shards were the run's whole data (generation and tokenization done)
+    partial: int = 0  # passes made over part of the data, while it still grew: not counted as epochs
+
+    @property
+    def epochs_done(self) -> int:
+        """Completed passes over the whole data (the pass in progress not included)."""
+        return self.epoch - self.partial
 
 
 def warmup_steps(total: int, warmup_ratio: float) -> int:
@@ -201,6 +209,41 @@ class Trainer:
             self.last = msgspec.structs.replace(self.last, state="waiting for data", ts=time.time())
             await asyncio.sleep(1)
 
+    async def _complete(self) -> bool:
+        """Rank 0's answer on every rank: is the run's data all there? When it is, the feed has taken every
+        announcement before the answer (so the keys read next are the whole data)."""
+        complete = None
+        if self.feed is not None:
+            complete = data_complete(await picture(self.cfg, self.bus, self.store))
+            while complete and not await self.feed.caught_up():
+                await asyncio.sleep(0.2)
+        return await asyncio.to_thread(self.dist.from_main, complete)
+
+    async def _next_pass(self, stop: asyncio.Event) -> tuple[list[str], bool]:
+        """The next pass's shards, and whether they are the whole data. While generation or tokenization
+        still runs, a pass is made only over new data (one with no new shard waits for one), and it is
+        not counted as an epoch: the epochs are over all of the data. A run whose data stops growing for
+        `wait_for_data_s` without being complete (its generators gone) is trained on as it is."""
+        t = self.cfg.trainer
+        since = time.monotonic()
+        while True:
+            complete = await self._complete()
+            keys = await self._shard_keys()
+            if complete or t.max_steps or keys != self.cursor.keys:
+                return keys, complete
+            if await asyncio.to_thread(self.dist.any, time.monotonic() - since > t.wait_for_data_s):
+                log.warning("no new shard for %.0fs and the run's data is not complete: the remaining %d epochs "
+                            "are over the %d shards there are", t.wait_for_data_s, t.epochs - self.cursor.epochs_done,
+                            len(keys))
+                return keys, True
+            if await asyncio.to_thread(self.dist.any, stop.is_set()):
+                return keys, False
+            if self.last.state != "waiting for data":
+                log.info("the run's data is not complete and no shard is new since pass %d: waiting for one",
+                         self.cursor.epoch - 1)
+            self.last = msgspec.structs.replace(self.last, state="waiting for data", ts=time.time())
+            await asyncio.sleep(2)
+
     def _samples(self, keys: list[str]) -> list[TokenizedSample]:
         return load_samples(self.store, keys, holdout_mod=self.cfg.trainer.holdout_mod, train=True)
 
@@ -214,13 +257,31 @@ class Trainer:
         per_step = t.grad_accum * self.dist.world * max(1, int(t.token_budget // max(1.0, avg)))  # every rank's
         return math.ceil(len(samples) / per_step)
 
-    def _replan(self, samples: list[TokenizedSample]) -> None:
-        """Data that joined at an epoch boundary: the steps left become the remaining epochs over all of
-        it, and the cosine schedule stretches to the new total (a fixed max_steps is kept)."""
+    def _pass_steps(self, samples: list[TokenizedSample], order: list[int]) -> int:
+        """The optimizer steps of one pass in this order, packed as `_next_microbatch` packs."""
+        t = self.cfg.trainer
+        micro, tokens = 0, None
+        for i in order:
+            n = min(samples[i].num_tokens, t.max_length)
+            if tokens is None or tokens + n > t.token_budget:
+                micro, tokens = micro + 1, n
+            else:
+                tokens += n
+        return math.ceil(micro / (t.grad_accum * self.dist.world))
+
+    def _uncounted_steps(self, samples: list[TokenizedSample], order: list[int]) -> int:
+        """A pass over part of the data comes on top of the epochs: the plan must not end inside it."""
+        return 0 if self.cursor.complete else self._pass_steps(samples, order)
+
+    def _replan(self, samples: list[TokenizedSample], order: list[int]) -> None:
+        """At a pass boundary: the steps left become the remaining epochs over all the data there is (more
+        data, or a pass over part of it that did not count, which is planned on top), and the cosine
+        schedule stretches to the new total (a fixed max_steps is kept)."""
         t = self.cfg.trainer
         if t.max_steps:
             return
-        total = max(self.step + 1, self.step + (t.epochs - self.cursor.epoch) * self._steps_per_epoch(samples))
+        epochs = (t.epochs - self.cursor.epochs_done) * self._steps_per_epoch(samples)
+        total = max(self.step + 1, self.step + self._uncounted_steps(samples, order) + epochs)
         if total != self.total_steps:
             log.info("%d samples from epoch %d: total steps %d → %d", len(samples), self.cursor.epoch,
                      self.total_steps, total)
@@ -389,13 +450,20 @@ class Trainer:
                 samples = await asyncio.to_thread(self._samples, self.cursor.keys)
             else:
                 keys = await self._wait_for_keys()
+                complete = await self._complete()
+                if complete:  # the announcements that completed the data since the keys were taken
+                    keys = await self._shard_keys()
                 if not keys:
                     raise RuntimeError(f"no tokenized shards for run {self.run} after {t.wait_for_data_s:.0f}s")
                 samples = await asyncio.to_thread(self._samples, keys)
                 if not samples:
                     raise RuntimeError(f"run {self.run}: tokenized shards hold no trainable sample")
-                self.cursor = Cursor(epoch=0, position=0, keys=keys, shards=self.cursor.shards)
+                self.cursor = Cursor(epoch=0, position=0, keys=keys, shards=self.cursor.shards, complete=complete)
+                if not complete:
+                    log.info("the run's data is still growing: passes over it count as epochs once it is complete")
                 self.total_steps = self._plan_total(samples)
+                if not t.max_steps:
+                    self.total_steps += self._uncounted_steps(samples, epoch_order(len(samples), t.seed, 0))
                 self.warmup = warmup_steps(self.total_steps, t.warmup_ratio)
                 if t.draft_vocab:  # from the data at the start, the same on every rank; kept in checkpoints
                     self.drafter.set_draft_vocab(draft_vocab_ids(samples, t.draft_vocab, self.drafter.config.vocab_size))
@@ -405,15 +473,26 @@ class Trainer:
             while self.step < self.total_steps and not self.out_of_time() and \
                     not await asyncio.to_thread(self.dist.any, stop.is_set()):
                 if self.cursor.position >= len(order):
+                    uncounted = not self.cursor.complete  # the pass just made was over part of the data
                     self.cursor.epoch += 1
-                    if not t.max_steps and self.cursor.epoch >= t.epochs:
+                    self.cursor.partial += uncounted
+                    if not t.max_steps and self.cursor.epochs_done >= t.epochs:
                         break
-                    keys = await self._shard_keys()  # shards tokenized since join this epoch
-                    if keys != self.cursor.keys:
+                    keys, complete = await self._next_pass(stop)  # shards tokenized since join this pass
+                    if await asyncio.to_thread(self.dist.any, stop.is_set()):
+                        self.cursor.epoch -= 1  # nothing of the next pass was made: resume at this boundary
+                        self.cursor.partial -= uncounted
+                        break
+                    grown = keys != self.cursor.keys
+                    if grown:
                         samples = await asyncio.to_thread(self._samples, keys)
-                        self._replan(samples)
-                    self.cursor.keys, self.cursor.position = keys, 0
+                    if not complete:
+                        log.info("pass %d over %d samples: the run's data is still growing, not counted as an epoch",
+                                 self.cursor.epoch, len(samples))
+                    self.cursor.keys, self.cursor.position, self.cursor.complete = keys, 0, complete
                     order = epoch_order(len(samples), t.seed, self.cursor.epoch)
+                    if grown or uncounted or not complete:
+                        self._replan(samples, order)
                 out = await asyncio.to_thread(self.train_step, samples, order)
                 if out is None:
                     continue
@@ -433,7 +512,7 @@ class Trainer:
                     await self.bus.publish(subject, self.last)
             if self.step and (checkpoint_key is None or not checkpoint_key.endswith(f"{self.step:08d}/")):
                 checkpoint_key = await self.checkpoint()
-            done = self.step >= self.total_steps or (not t.max_steps and self.cursor.epoch >= t.epochs) \
+            done = self.step >= self.total_steps or (not t.max_steps and self.cursor.epochs_done >= t.epochs) \
                 or self.out_of_time()
             self.last = msgspec.structs.replace(self.last, checkpoint_key=checkpoint_key,
                                                 state="done" if done else "stopped", ts=time.time())
