@@ -454,6 +454,17 @@ def test_train_kill9_resume_is_exact_and_eval_is_lossless(stack, stack_env, tmp_
 
     assert asyncio.run(resume_with_another_mask()) == drafter_cfg["dflash_config"]["mask_token_id"]
 
+    # ... and refuses, by name, a config that describes another drafter than the checkpoint holds.
+    async def resume_with_another_block_size() -> None:
+        cfg = make_config(stack, run_a, trainer={**TINY, "block_size": 4, "draft_vocab": 64, "init": "target"},
+                          model={"device": "cpu"})
+        async with await Bus.connect(cfg.bus, "pytest", deadline_s=10) as bus:
+            trainer = await asyncio.to_thread(Trainer, cfg, bus, store)
+            await asyncio.to_thread(trainer.load_latest)
+
+    with pytest.raises(ValueError, match="block_size: 8 → 4"):
+        asyncio.run(resume_with_another_block_size())
+
     # eval: real speculative decoding with the trained drafter, checked against plain greedy
     ev = subprocess.run([sys.executable, "-m", "shared.cli", "eval", "--run", run_a], env=env,
                         capture_output=True, text=True, timeout=600)

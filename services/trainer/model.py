@@ -80,6 +80,15 @@ class DFlashConfig:
     torch_dtype: str = "bfloat16"
     extra: dict[str, Any] = field(default_factory=dict)
 
+    # What the weights' meaning depends on: a resume under other values would load the tensors into a model
+    # that reads them differently (block size, feature layers) or fail on a shape deep in load_state_dict.
+    SHAPE = ("block_size", "target_layer_ids", "num_hidden_layers", "hidden_size", "intermediate_size",
+             "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size")
+
+    def shape_differences(self, other: DFlashConfig) -> list[str]:
+        """'name: ours → other's' for each SHAPE field that differs."""
+        return [f"{k}: {getattr(self, k)} → {getattr(other, k)}" for k in self.SHAPE if getattr(self, k) != getattr(other, k)]
+
     def to_hf(self) -> dict[str, Any]:
         """config.json in the public DFlash drafters' layout."""
         d = asdict(self)

@@ -323,6 +323,11 @@ class Trainer:
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 self.store.get_file(key, dest)
             loaded = DFlashDrafter.load(tmp / "drafter")
+            changed = loaded.config.shape_differences(self.drafter.config)
+            if changed:
+                raise ValueError(f"run {self.run}: the checkpoint {prefix} is of another drafter than the config "
+                                 f"describes ({'; '.join(changed)}, checkpoint → config); resume with the "
+                                 "checkpoint's settings, or train it under a new --run")
             if loaded.draft_vocab is not None:
                 self.drafter.set_draft_vocab(loaded.draft_vocab)
             # what the weights were trained with, even where today's rules would pick another (a resume across an
