@@ -12,6 +12,11 @@ handler. The loop's rules, in one place:
   reaches `max_deliver`; then a DeadLetter with the last error goes to the DEADLETTER stream
   and the message is terminated (which deletes it from a work queue).
 * `Poison`: dead-lettered at once (malformed payloads too).
+* An exception whose class says `fatal = True` (`Halt`, S3 refusing the worker's credentials,
+  its bucket gone): the fault is the worker's, not the message's. The message is nak'ed for
+  another worker, nothing is dead-lettered, the loop stops taking work, a critical Alert says
+  why, and `work` raises `Halt`: a worker that cannot write must not burn its queue's
+  deliveries into the dead letters.
 * The server-side consumer has no max_deliver (-1). A message whose worker died on its last
   allowed delivery is dead-lettered by the next worker that sees it, instead of lingering in
   the work queue forever (what a server-side max_deliver does to work-queue messages).
@@ -37,7 +42,7 @@ from nats.aio.msg import Msg
 from nats.js import api
 
 from shared.config import BusConfig
-from shared.messages import DeadLetter, Message, MessageError, Subjects, decode, encode
+from shared.messages import Alert, DeadLetter, Message, MessageError, Subjects, decode, encode
 
 log = logging.getLogger("dflash.bus")
 
@@ -119,6 +124,17 @@ class Poison(Exception):
     """This message can never succeed: dead-letter it now."""
 
 
+class Halt(Exception):
+    """This worker can do no work as it is configured: put the message back and stop the worker."""
+
+    fatal = True
+
+
+def halts(e: BaseException) -> bool:
+    """Whether `e` is a fault of the worker's own settings (its class says `fatal = True`)."""
+    return bool(getattr(e, "fatal", False))
+
+
 @dataclass
 class Delivery:
     msg: Msg
@@ -139,6 +155,7 @@ class WorkStats:
     last_error: str = ""
     errors: int = 0
     in_flight: int = 0
+    halted: str = ""  # why the loop stopped on a fault of the worker's own (see Halt)
 
 
 def backoff_delay(num_delivered: int, base_s: float = 1.0, cap_s: float = 60.0) -> float:
@@ -149,10 +166,11 @@ def backoff_delay(num_delivered: int, base_s: float = 1.0, cap_s: float = 60.0) 
 
 
 class Bus:
-    def __init__(self, nc: nats.NATS, cfg: BusConfig) -> None:
+    def __init__(self, nc: nats.NATS, cfg: BusConfig, name: str = "dflash") -> None:
         self.nc = nc
         self.js = nc.jetstream()
         self.cfg = cfg
+        self.name = name  # the connection's name: the worker, in alerts this module raises
 
     @classmethod
     async def connect(cls, cfg: BusConfig, name: str = "dflash", *, deadline_s: float | None = None) -> Bus:
@@ -191,7 +209,7 @@ class Bus:
         while True:
             try:
                 nc = await nats.connect(**opts)
-                return cls(nc, cfg)
+                return cls(nc, cfg, name)
             except (nats.errors.NoServersError, OSError, TimeoutError) as e:
                 if deadline_s is not None and time.monotonic() - start >= deadline_s:
                     raise ConnectionError(f"NATS at {cfg.url} unreachable for {deadline_s:.0f}s: {e}") from None
@@ -394,7 +412,7 @@ class Bus:
 
         stop_wait = asyncio.create_task(stop.wait())
         try:
-            while not stop.is_set():
+            while not stop.is_set() and not stats.halted:
                 free = max_inflight - len(tasks)
                 if free <= 0:
                     await asyncio.wait([*tasks, stop_wait], return_when=asyncio.FIRST_COMPLETED)
@@ -409,7 +427,7 @@ class Bus:
                     await asyncio.sleep(1.0)
                     continue
                 for m in msgs:
-                    if stop.is_set():
+                    if stop.is_set() or stats.halted:
                         await m.nak()
                         continue
                     task = asyncio.create_task(self._handle_one(spec, handle, m, run, message_type, stats))
@@ -427,6 +445,11 @@ class Bus:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
         stats.in_flight = 0
+        if stats.halted:
+            await self.publish(Subjects.alert(run, spec.stage), Alert(
+                run=run, stage=spec.stage, kind="worker_halted", worker=self.name, examples=[],
+                message=f"{self.name} stopped taking {spec.stage} work: {stats.halted}"))
+            raise Halt(stats.halted)
         return stats
 
     async def _handle_one(
@@ -462,23 +485,35 @@ class Bus:
             await self.dead_letter(spec, run, msg, f"poison: {e}")
             stats.dead_lettered += 1
         except Exception as e:
+            if not halts(e):
+                await self._failed(spec, run, msg, e, stats)
+                return
             stats.errors += 1
-            error = f"{type(e).__name__}: {e}" if isinstance(e, Retry) else traceback.format_exc(limit=8)
-            stats.last_error = error.strip().splitlines()[-1]
-            if md.num_delivered >= spec.max_deliver:
-                await self.dead_letter(spec, run, msg, error)
-                stats.dead_lettered += 1
-            else:
-                delay = e.delay_s if isinstance(e, Retry) and e.delay_s is not None else backoff_delay(md.num_delivered)
-                log.warning("delivery %d of %s seq %d failed, retry in %.1fs: %s", md.num_delivered, md.stream,
-                            md.sequence.stream, delay, stats.last_error)
-                await msg.nak(delay=delay)
-                stats.retried += 1
+            stats.last_error = stats.halted = stats.halted or f"{type(e).__name__}: {e}"
+            log.error("%s seq %d put back, and no more work taken: %s", md.stream, md.sequence.stream, stats.last_error)
+            with contextlib.suppress(Exception):
+                await msg.nak()
         else:
             await msg.ack()
             stats.acked += 1
         finally:
             heartbeat.cancel()
+
+    async def _failed(self, spec: ConsumerSpec, run: str, msg: Msg, e: Exception, stats: WorkStats) -> None:
+        """A handler's failure: redelivered with backoff, dead-lettered on its last allowed delivery."""
+        md = msg.metadata
+        stats.errors += 1
+        error = f"{type(e).__name__}: {e}" if isinstance(e, Retry) else "".join(traceback.format_exception(e, limit=8))
+        stats.last_error = error.strip().splitlines()[-1]
+        if md.num_delivered >= spec.max_deliver:
+            await self.dead_letter(spec, run, msg, error)
+            stats.dead_lettered += 1
+        else:
+            delay = e.delay_s if isinstance(e, Retry) and e.delay_s is not None else backoff_delay(md.num_delivered)
+            log.warning("delivery %d of %s seq %d failed, retry in %.1fs: %s", md.num_delivered, md.stream,
+                        md.sequence.stream, delay, stats.last_error)
+            await msg.nak(delay=delay)
+            stats.retried += 1
 
 
 async def _heartbeat(msg: Msg, every_s: float) -> None:

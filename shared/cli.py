@@ -119,6 +119,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"dflash: config error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:
+        if not getattr(e, "fatal", False):
+            raise
+        # a worker stopped by a fault of its settings (shared.bus.Halt, shared.store.StoreMisconfigured): the
+        # reason, not a traceback
+        print(f"dflash {args.command}: stopped: {e}", file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
         return 130
 

@@ -3,7 +3,7 @@
 Every object written here carries its sha256 in metadata (`x-amz-meta-sha256`), and every
 read verifies it: a corrupted or truncated object is an error, never silent. Transient faults
 (connection refused, 5xx, SlowDown) are retried with backoff until `retry_deadline_s`; then
-`StoreUnavailable` says so. Nothing is reported as written unless the PUT succeeded.
+`StoreUnavailable` says so. Refused credentials and a missing bucket are `StoreMisconfigured` at once. Nothing is reported as written unless the PUT succeeded.
 
 This module is synchronous (minio-py is); async services call it via `asyncio.to_thread`.
 """
@@ -46,7 +46,15 @@ class StoreUnavailable(StoreError):
     """S3 could not be reached (or kept failing) for the whole retry deadline."""
 
 
-class StoreAuthError(StoreError):
+class StoreMisconfigured(StoreError):
+    """S3 refuses this store's settings (credentials, bucket): no retry helps until a person fixes them.
+    A worker's handler that meets it stops the worker (`fatal`, see shared.bus) instead of failing message
+    after message into the dead letters."""
+
+    fatal = True
+
+
+class StoreAuthError(StoreMisconfigured):
     pass
 
 
@@ -165,7 +173,7 @@ class Store:
                         f"S3 at {self.endpoint} refused {what}: {e.code} (check AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY)"
                     ) from None
                 if e.code == "NoSuchBucket":
-                    raise StoreError(
+                    raise StoreMisconfigured(
                         f"bucket {self.bucket!r} does not exist at {self.endpoint} (create it, or set store.create_bucket)"
                     ) from None
                 if e.code in ("NoSuchKey", "NoSuchObject"):

@@ -4,8 +4,8 @@ import asyncio
 
 import pytest
 
-from shared.bus import Bus, Poison, Retry, WorkStats, consumer_for
-from shared.messages import ChatMessage, PromptTask, ShardWritten, Subjects
+from shared.bus import Bus, Halt, Poison, Retry, WorkStats, consumer_for
+from shared.messages import Alert, ChatMessage, PromptTask, ShardWritten, Subjects
 
 
 def task(run: str, pid: str) -> PromptTask:
@@ -233,3 +233,40 @@ def test_a_stuck_shutdown_says_where_and_a_second_signal_exits() -> None:
     assert "still shutting down 0.5s after the stop signal" in err, err
     assert "never_finishes_its_drain" in err, err  # the waiting task's own frame
     assert "second SIGTERM: exiting without draining" in err, err
+
+
+async def test_a_worker_whose_bucket_is_gone_puts_its_message_back_and_halts_with_an_alert(cfg, bus):
+    """S3 says the worker's bucket does not exist (deleted mid-run; refused credentials are the same case):
+    no retry can help, so the message goes back untouched for a worker that can write, nothing is
+    dead-lettered, the worker stops taking work with a critical Alert, and `work` raises Halt. Before,
+    each message failed its deliveries one after another into the dead letters."""
+    import msgspec
+
+    from shared.store import Store
+
+    gone = Store.open(msgspec.structs.replace(cfg, store=msgspec.structs.replace(cfg.store, bucket=f"gone-{cfg.run}")),
+                      ensure_bucket=True)
+    gone.client.remove_bucket(gone.bucket)
+    spec = consumer_for("generate", cfg.run)
+    for pid in ("a", "b"):
+        await bus.publish(Subjects.prompts(cfg.run), task(cfg.run, pid), msg_id=f"{cfg.run}:{pid}")
+
+    async def read(d):  # as the tokenizer reads its completion shard (SeaweedFS re-creates a bucket on a PUT)
+        await asyncio.to_thread(gone.get_bytes, f"completions/{d.data.prompt_id}")
+
+    stats = WorkStats()
+    with pytest.raises(Halt, match=f"bucket 'gone-{cfg.run}' does not exist"):
+        await asyncio.wait_for(bus.work(spec, read, run=cfg.run, stop=asyncio.Event(), message_type=PromptTask,
+                                        max_inflight=1, stats=stats), 60)
+    assert stats.dead_lettered == 0 and stats.halted and await bus.dead_letters(cfg.run) == []
+    alerts = [a async for _, a in bus.replay("PROGRESS", Subjects.alert(cfg.run, "generate"), 1, Alert)]
+    assert [(a.kind, a.severity) for a in alerts] == [("worker_halted", "critical")]
+    assert "does not exist" in alerts[0].message
+
+    seen = []  # a worker that can write gets both, the first on its second delivery
+
+    async def record(d):
+        seen.append((d.data.prompt_id, d.num_delivered))
+
+    await run_worker(bus, spec, cfg.run, record, until=lambda s: s.acked == 2)
+    assert sorted(seen) == [("a", 2), ("b", 1)]

@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from shared.bus import Bus, Poison
+from shared.bus import Bus, Poison, halts
 from shared.messages import ShardWritten, Subjects
 from shared.records import CompletionRecord, completions_to_parquet, read_completions
 from shared.store import Keys, ObjectConflict, Store
@@ -127,11 +127,22 @@ class ShardWriter:
                     self.seq += 1
                 except asyncio.CancelledError:
                     raise
-                except Exception as e:  # S3 or NATS unreachable: keep the shard, keep trying
+                except Exception as e:
+                    if not halts(e):  # S3 or NATS unreachable: keep the shard, keep trying
+                        self.write_errors += 1
+                        log.warning("shard %s (%d records) not written yet, retry in %.0fs: %s", key, len(records),
+                                    delay, e)
+                        await asyncio.sleep(delay)
+                        delay = min(delay * 2, 30.0)
+                        continue
+                    # S3 refuses this worker's settings: no retry helps. The handlers fail with the error, which
+                    # puts their prompts back for a worker that can write and stops this one (shared.bus).
                     self.write_errors += 1
-                    log.warning("shard %s (%d records) not written yet, retry in %.0fs: %s", key, len(records), delay, e)
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, 30.0)
+                    log.error("shard %s (%d records) cannot be written: %s", key, len(records), e)
+                    for fut in waiters:
+                        if not fut.done():
+                            fut.set_exception(e)
+                    return
             self.seq += 1
             self.shards_written += 1
             log.info("shard %s: %d records", key, len(records))
