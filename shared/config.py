@@ -86,7 +86,9 @@ class GeneratorConfig(Section):
     shard_idle_s: float = 1.0  # a shard is also written once the engine has been idle this long (the queue ran dry)
     ack_wait_s: float = 60.0
     max_deliver: int = 5
-    max_ack_pending: int = 256
+    # A cap on the run's unacked prompts, shared by all its workers (0: none; each worker holds at most
+    # max_inflight + shard_records). Below workers x that, no worker fills a shard.
+    max_ack_pending: int = 0
     engine_url: str = ""  # sglang/openai backends
     engine_model: str = ""  # model name sent to an openai-compatible server
     openai_endpoint: Literal["chat", "completions"] = "chat"

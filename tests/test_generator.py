@@ -314,3 +314,66 @@ async def test_close_gives_up_on_a_shard_it_cannot_write_after_its_timeout(stack
         stack.start_s3()
         stack.wait_healthy()
     assert await shard_events(bus, cfg.run) == []  # nothing was announced that is not in S3
+
+
+async def test_credentials_s3_refuses_fail_the_shards_records_instead_of_retrying_for_ever(stack, bus, store):
+    """Credentials revoked mid-run: no retry can help. The shard's add()s fail with the error (their handlers
+    put the prompts back and stop the worker, see test_bus), nothing is announced; before, the writer
+    retried for ever with the prompts held."""
+    from services.generator.shards import ShardWriter
+    from shared.messages import ChatMessage
+    from shared.records import CompletionRecord
+    from shared.store import StoreAuthError
+
+    cfg = make_config(stack)
+    writer = ShardWriter(bus, store, cfg.run, "w2", max_records=2, max_age_s=60.0)
+    await writer.start()
+    writer.store = Store(cfg.store, "revoked-key", "revoked-secret")  # what S3 now says to this worker's keys
+    try:
+        results = await asyncio.wait_for(asyncio.gather(*(writer.add(CompletionRecord(
+            run=cfg.run, prompt_id=p, messages=[ChatMessage(role="user", content=p)], completion="a")) for p in "ab"),
+            return_exceptions=True), 30)
+    finally:
+        await writer.close(timeout_s=5)
+    assert all(isinstance(r, StoreAuthError) and getattr(r, "fatal", False) for r in results), results
+    assert "check AWS_ACCESS_KEY_ID" in str(results[0])
+    assert await shard_events(bus, cfg.run) == [] and writer.shards_written == 0
+
+
+async def test_every_worker_of_a_run_can_hold_a_full_shard_of_prompts_at_once(stack, bus):
+    """The consumer's cap on unacked messages is shared by all workers of the run. At its old default
+    (256) two workers at the default shard size (256 records, 16 in the engine) could not both hold a
+    shard's worth, so neither filled a shard. Two worker loops on the generator's own consumer settings,
+    each holding every message it gets until both hold their full share."""
+    from services.generator.service import prompt_consumer
+    from shared.bus import WorkStats
+    from shared.messages import ChatMessage, PromptTask
+
+    cfg = make_config(stack)
+    spec, per_worker = prompt_consumer(cfg)
+    assert per_worker == cfg.generator.max_inflight + cfg.generator.shard_records == 272
+    n = 2 * per_worker
+    await bus.publish_many([(Subjects.prompts(cfg.run), PromptTask(
+        run=cfg.run, prompt_id=f"p{i}", messages=[ChatMessage(role="user", content=f"q{i}")]), f"{cfg.run}:p{i}")
+        for i in range(n)])
+    held: dict[str, int] = {"w0": 0, "w1": 0}
+    all_held, stop = asyncio.Event(), asyncio.Event()
+
+    def holder(worker: str):
+        async def handle(d) -> None:  # a completion waiting in the shard buffer: unacked until the shard is written
+            held[worker] += 1
+            if sum(held.values()) == n:
+                all_held.set()
+            await all_held.wait()
+        return handle
+
+    workers = [asyncio.create_task(bus.work(spec, holder(w), run=cfg.run, stop=stop, message_type=PromptTask,
+                                            max_inflight=per_worker, stats=WorkStats())) for w in held]
+    try:
+        await asyncio.wait_for(all_held.wait(), 60)
+    finally:
+        stop.set()
+        await asyncio.gather(*workers)
+    assert held == {"w0": per_worker, "w1": per_worker}
+    info = await bus.js.consumer_info(spec.stream, spec.durable)
+    assert info.num_ack_pending == 0 and info.num_pending == 0

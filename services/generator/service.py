@@ -3,7 +3,10 @@
 Concurrency: `max_inflight` requests are in the engine at once (the engine's batching keeps the
 GPU busy); finished completions wait in the shard buffer for their shard to be written, holding
 their unacked message (heartbeats keep it), so the worker loop fetches up to
-`max_inflight + shard_records` messages, capped by the consumer's `max_ack_pending`.
+`max_inflight + shard_records` messages. The consumer's own cap on unacked messages is shared by
+every worker of the run, so it is off unless `generator.max_ack_pending` sets one: with a cap below
+workers × (max_inflight + shard_records), no worker could fill a shard (each would flush on idle,
+its engine draining and waiting for acks every cycle).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import contextlib
 import logging
 import time
 
-from shared.bus import Bus, Delivery, Poison, ProgressLoop, Retry, WorkStats, consumer_for
+from shared.bus import Bus, ConsumerSpec, Delivery, Poison, ProgressLoop, Retry, WorkStats, consumer_for
 from shared.config import Config, fingerprint
 from shared.messages import GeneratorProgress, PromptTask, ShardWritten, Subjects
 from shared.records import CompletionRecord
@@ -46,14 +49,23 @@ class Rates:
                 len(self.samples) / span)
 
 
+def prompt_consumer(cfg: Config) -> tuple[ConsumerSpec, int]:
+    """The run's shared consumer of PromptTasks, and how many of its messages one worker holds at once."""
+    g = cfg.generator
+    per_worker = g.max_inflight + g.shard_records
+    if g.max_ack_pending > 0:
+        per_worker = max(g.max_inflight, min(g.max_ack_pending, per_worker))
+    spec = consumer_for("generate", cfg.run, ack_wait_s=g.ack_wait_s, max_ack_pending=g.max_ack_pending or -1,
+                        max_deliver=g.max_deliver)
+    return spec, per_worker
+
+
 class Generator:
     def __init__(self, cfg: Config, worker: str, backend: Backend, bus: Bus, store: Store) -> None:
         self.cfg, self.worker, self.backend, self.bus, self.store = cfg, worker, backend, bus, store
         self.run = cfg.run
         g = cfg.generator
-        self.spec = consumer_for("generate", self.run, ack_wait_s=g.ack_wait_s, max_ack_pending=g.max_ack_pending,
-                                 max_deliver=g.max_deliver)
-        self.slots = max(g.max_inflight, min(g.max_ack_pending, g.max_inflight + g.shard_records))
+        self.spec, self.slots = prompt_consumer(cfg)
         self.shards = ShardWriter(bus, store, self.run, worker, max_records=min(g.shard_records, self.slots),
                                   max_age_s=g.shard_seconds, idle_for=self.engine_idle_for,
                                   idle_s=min(g.shard_idle_s, g.shard_seconds))
