@@ -61,7 +61,8 @@ def service_specs(cfg: Config, plan: RunPlan) -> list[ServiceSpec]:
     specs.append(ServiceSpec("tokenizer", dflash("tokenize", "--run", run)))
     if plan.train:
         # Started once tokenization is done: the step count is planned from the whole dataset. (A
-        # trainer started by hand or in compose may start early; later shards join its next epoch.)
+        # trainer started by hand or in compose may start early: later shards join its next pass, and its
+        # passes count as epochs once generation and tokenization are done.)
         specs.append(ServiceSpec("trainer", dflash("train", "--run", run), one_shot=True, deferred=True))
     if plan.dashboard:
         specs.append(ServiceSpec("dashboard", dflash("dashboard", "--run", run)))

@@ -72,6 +72,9 @@ class ShardFeed:
 
     async def caught_up(self) -> bool:
         """Every announcement made so far has been taken (so a plan made now sees all of them)."""
+        if self._task is not None and self._task.done():  # its consumer loop ended: nothing would ever catch up
+            error = None if self._task.cancelled() else self._task.exception()
+            raise RuntimeError(f"the trainer's shard feed stopped: {error!r}")
         info = await self.bus.js.consumer_info(self.spec.stream, self.spec.durable)
         return info.num_pending == 0 and info.num_ack_pending <= len(self._waiting)
 

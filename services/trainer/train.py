@@ -227,7 +227,7 @@ class Trainer:
         t = self.cfg.trainer
         since = time.monotonic()
         while True:
-            complete = await self._complete()
+            complete = self.cursor.complete or await self._complete()  # once complete, it stays so
             keys = await self._shard_keys()
             if complete or t.max_steps or keys != self.cursor.keys:
                 return keys, complete
