@@ -3,7 +3,8 @@
 Every object written here carries its sha256 in metadata (`x-amz-meta-sha256`), and every
 read verifies it: a corrupted or truncated object is an error, never silent. Transient faults
 (connection refused, 5xx, SlowDown) are retried with backoff until `retry_deadline_s`; then
-`StoreUnavailable` says so. Refused credentials and a missing bucket are `StoreMisconfigured` at once. Nothing is reported as written unless the PUT succeeded.
+`StoreUnavailable` says so. Refused credentials and a missing bucket are `StoreMisconfigured` at
+once. Nothing is reported as written unless the PUT succeeded.
 
 This module is synchronous (minio-py is); async services call it via `asyncio.to_thread`.
 """

@@ -128,8 +128,8 @@ class ShardWriter:
                 except asyncio.CancelledError:
                     raise
                 except Exception as e:
+                    self.write_errors += 1
                     if not halts(e):  # S3 or NATS unreachable: keep the shard, keep trying
-                        self.write_errors += 1
                         log.warning("shard %s (%d records) not written yet, retry in %.0fs: %s", key, len(records),
                                     delay, e)
                         await asyncio.sleep(delay)
@@ -137,7 +137,6 @@ class ShardWriter:
                         continue
                     # S3 refuses this worker's settings: no retry helps. The handlers fail with the error, which
                     # puts their prompts back for a worker that can write and stops this one (shared.bus).
-                    self.write_errors += 1
                     log.error("shard %s (%d records) cannot be written: %s", key, len(records), e)
                     for fut in waiters:
                         if not fut.done():

@@ -258,15 +258,12 @@ class Trainer:
         return math.ceil(len(samples) / per_step)
 
     def _pass_steps(self, samples: list[TokenizedSample], order: list[int]) -> int:
-        """The optimizer steps of one pass in this order, packed as `_next_microbatch` packs."""
+        """The optimizer steps of one pass in this order, packed as the training loop packs them."""
         t = self.cfg.trainer
-        micro, tokens = 0, None
-        for i in order:
-            n = min(samples[i].num_tokens, t.max_length)
-            if tokens is None or tokens + n > t.token_budget:
-                micro, tokens = micro + 1, n
-            else:
-                tokens += n
+        micro, position = 0, 0
+        while position < len(order):
+            position = self._microbatch_end(samples, order, position)
+            micro += 1
         return math.ceil(micro / (t.grad_accum * self.dist.world))
 
     def _uncounted_steps(self, samples: list[TokenizedSample], order: list[int]) -> int:
@@ -370,18 +367,23 @@ class Trainer:
         budget = self.cfg.trainer.max_train_s
         return budget > 0 and self.train_s >= budget
 
-    def _next_microbatch(self, samples: list[TokenizedSample], order: list[int]) -> list[tuple[int, TokenizedSample]]:
+    def _microbatch_end(self, samples: list[TokenizedSample], order: list[int], start: int) -> int:
+        """Where the micro-batch starting at `start` of the order ends: whole sequences up to `token_budget`
+        tokens (at least one)."""
         t = self.cfg.trainer
-        out, tokens = [], 0
-        while self.cursor.position < len(order):
-            s = samples[order[self.cursor.position]]
-            n = min(s.num_tokens, t.max_length)
-            if out and tokens + n > t.token_budget:
+        end, tokens = start, 0
+        while end < len(order):
+            n = min(samples[order[end]].num_tokens, t.max_length)
+            if end > start and tokens + n > t.token_budget:
                 break
-            out.append((self.cursor.position, s))
             tokens += n
-            self.cursor.position += 1
-        return out
+            end += 1
+        return end
+
+    def _next_microbatch(self, samples: list[TokenizedSample], order: list[int]) -> list[tuple[int, TokenizedSample]]:
+        start = self.cursor.position
+        self.cursor.position = self._microbatch_end(samples, order, start)
+        return [(pos, samples[order[pos]]) for pos in range(start, self.cursor.position)]
 
     def _trained_weights(self, b: Blocks) -> torch.Tensor:
         if self.drafter.draft_vocab is None:
