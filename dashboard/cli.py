@@ -1,4 +1,4 @@
-"""`dflash dashboard`: serve the progress page with Streamlit.
+"""`dfpipe dashboard`: serve the progress page with Streamlit.
 
 Binds 127.0.0.1 unless told otherwise; a non-local bind requires DFLASH_DASHBOARD_PASSWORD
 in the environment (the page then asks for it), so the run's data is never open to a network
@@ -51,7 +51,7 @@ def _dashboard(args: argparse.Namespace) -> int:
     host = args.host or cfg.dashboard.host
     port = args.port or cfg.dashboard.port
     if not is_local(host) and not os.environ.get(PASSWORD_ENV):
-        print(f"dflash dashboard: refusing to bind {host} (not loopback) without {PASSWORD_ENV} set "
+        print(f"dfpipe dashboard: refusing to bind {host} (not loopback) without {PASSWORD_ENV} set "
               "in the environment", file=sys.stderr)
         return 2
     root = str(Path(__file__).resolve().parents[1])

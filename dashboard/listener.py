@@ -102,7 +102,7 @@ class Listener:
             )
 
     def replay_dead_letters(self, run: str, stage: str = "*", timeout_s: float = 60.0) -> int:
-        """The same path as `dflash replay`: Bus.replay_dead_letters, run on the listener's loop."""
+        """The same path as `dfpipe replay`: Bus.replay_dead_letters, run on the listener's loop."""
         if self._bus is None or not self._bus.nc.is_connected:
             raise ConnectionError("not connected to NATS")
         count = self._submit(self._bus.replay_dead_letters(run, stage)).result(timeout_s)

@@ -1,4 +1,4 @@
-"""`dflash`: one entry point, one subcommand per job.
+"""`dfpipe`: one entry point, one subcommand per job.
 
 Each service package contributes its subcommands through `register(sub, replay)` in its
 `cli` module, so a reader finds a command's whole story in the service it belongs to.
@@ -42,7 +42,7 @@ def load(args: argparse.Namespace) -> Config:
     return connect_config(cfg)
 
 
-# --- dflash stack ------------------------------------------------------------------------------
+# --- dfpipe stack ------------------------------------------------------------------------------
 
 
 def _stack(args: argparse.Namespace) -> int:
@@ -70,7 +70,7 @@ def _stack(args: argparse.Namespace) -> int:
         return 0
     stack = EmbeddedStack.load(root)
     if stack is None:
-        print(f"no embedded stack recorded in {root} (run `dflash stack up`)")
+        print(f"no embedded stack recorded in {root} (run `dfpipe stack up`)")
         return 1
     healthy = True
     for name, st in stack.status().items():
@@ -87,7 +87,7 @@ def _register_stack(sub: Any) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dflash", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="dfpipe", description=__doc__.splitlines()[0])
     parser.add_argument("--config", "-c", default=None, help="TOML config file (default: $DFLASH_CONFIG)")
     parser.add_argument("--log-level", default=os.environ.get("DFLASH_LOG_LEVEL", "INFO"))
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -117,14 +117,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(func(args) or 0)
     except ConfigError as e:
-        print(f"dflash: config error: {e}", file=sys.stderr)
+        print(f"dfpipe: config error: {e}", file=sys.stderr)
         return 2
     except Exception as e:
         if not getattr(e, "fatal", False):
             raise
         # a worker stopped by a fault of its settings (shared.bus.Halt, shared.store.StoreMisconfigured): the
         # reason, not a traceback
-        print(f"dflash {args.command}: stopped: {e}", file=sys.stderr)
+        print(f"dfpipe {args.command}: stopped: {e}", file=sys.stderr)
         return 3
     except KeyboardInterrupt:
         return 130

@@ -141,7 +141,7 @@ class TrainerConfig(Section):
     # The frozen target's training forward on CPU: fp32 weights, "bf16" autocasts its matmuls (~1.7x
     # on CPUs with AVX512-BF16/AMX, features within ~0.5%; ~7x slower on AVX2-only CPUs, which emulate
     # bf16), "auto" only where the CPU has bf16 units; GPU targets load as bf16 weights either way.
-    # `dflash eval` always decodes with the target as loaded.
+    # `dfpipe eval` always decodes with the target as loaded.
     target_autocast: Literal["off", "auto", "bf16"] = "off"
     # >0: the drafter proposes only from the K ids most frequent in the training labels (EAGLE-3's
     # draft vocabulary), so the frozen head costs K/V of the whole one; labels outside are not trained on.
@@ -153,7 +153,7 @@ class TrainerConfig(Section):
     # distribution there (EAGLE's soft labels), from a forward run to the top; the argmax is the same token.
     soft_labels: bool = False
     seed: int = 0
-    holdout_mod: int = 20  # every 20th prompt (by id hash) is held out of training for `dflash eval`
+    holdout_mod: int = 20  # every 20th prompt (by id hash) is held out of training for `dfpipe eval`
     progress_every: int = 1  # steps between TrainerProgress events
     wait_for_data_s: float = 3600.0  # how long to wait for the first tokenized shard, and for a new one while the data is incomplete
     eval_prompts: int = 16

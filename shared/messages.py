@@ -58,7 +58,7 @@ class PromptTask(Message, tag="prompt_task"):
     messages: list[ChatMessage]
     source: str = ""  # where it came from: path or s3:// URI
     line: int = 0  # 1-based record number in the source
-    generation: int = 0  # >0: a deliberate regeneration (`dflash replay generate --shard`); wins on dedupe
+    generation: int = 0  # >0: a deliberate regeneration (`dfpipe replay generate --shard`); wins on dedupe
 
     def __post_init__(self) -> None:
         if not self.messages:
@@ -217,7 +217,7 @@ ProgressMessage = FeederProgress | GeneratorProgress | TokenizerProgress | Train
 
 
 class MessageError(ValueError):
-    """A payload that is not a valid dflash message of the expected type."""
+    """A payload that is not a valid dflash-pipeline message of the expected type."""
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -239,15 +239,15 @@ def decode(data: bytes, type: Any = AnyMessage) -> Any:
         raw = _peek(data)
         if isinstance(raw, dict) and isinstance(raw.get("v"), int) and raw["v"] > SCHEMA_VERSION:
             raise MessageError(
-                f"message schema v{raw['v']} is newer than this build's v{SCHEMA_VERSION}: upgrade dflash"
+                f"message schema v{raw['v']} is newer than this build's v{SCHEMA_VERSION}: upgrade dflash-pipeline"
             ) from None
         if isinstance(raw, dict) and "type" in raw:
             raise MessageError(f"invalid {raw['type']!r} message: {e}") from None
-        raise MessageError(f"not a dflash message ({e})") from None
+        raise MessageError(f"not a dflash-pipeline message ({e})") from None
     except msgspec.DecodeError as e:
-        raise MessageError(f"not a dflash message: payload of {len(data)} bytes is not msgpack ({e})") from None
+        raise MessageError(f"not a dflash-pipeline message: payload of {len(data)} bytes is not msgpack ({e})") from None
     if msg.v > SCHEMA_VERSION:
-        raise MessageError(f"message schema v{msg.v} is newer than this build's v{SCHEMA_VERSION}: upgrade dflash")
+        raise MessageError(f"message schema v{msg.v} is newer than this build's v{SCHEMA_VERSION}: upgrade dflash-pipeline")
     return msg
 
 

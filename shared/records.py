@@ -5,7 +5,7 @@ Both are Parquet, loadable with pandas and `datasets.load_dataset("parquet", ...
 Dedupe rule (at-least-once delivery means a prompt can be completed twice, e.g. after a
 kill -9 between the shard write and the ack): readers keep **one record per prompt_id**,
 the first by the key (-generation, truncated, shard_key, row): a deliberate regeneration
-(`dflash replay generate --shard`, generation ≥ 1) beats what it replaces, then a complete
+(`dfpipe replay generate --shard`, generation ≥ 1) beats what it replaces, then a complete
 generation beats a truncated one, then the lexically smallest shard key, then the earliest row. The rule depends only on
 what is in S3, never on the order shards are read, so every reader agrees.
 """

@@ -128,7 +128,7 @@ def _pid_alive(pid: int, binary: str) -> bool:
 
 
 class EmbeddedStack:
-    """One nats-server and one weed mini under `root`; used by `dflash stack` and the test fixtures."""
+    """One nats-server and one weed mini under `root`; used by `dfpipe stack` and the test fixtures."""
 
     def __init__(self, root: Path, ports: Ports, host: str = "127.0.0.1", bucket: str = "dflash") -> None:
         self.root = Path(root)

@@ -1,4 +1,4 @@
-"""`dflash status --run R`: where a run stands, rebuilt from the bus and S3 alone (no service state needed).
+"""`dfpipe status --run R`: where a run stands, rebuilt from the bus and S3 alone (no service state needed).
 
 Completed = unique prompt_ids in the run's ShardWritten log (`DurableLog`, which the dashboard
 folds too); in flight / queued from the shared
@@ -205,7 +205,7 @@ async def run_status(cfg: Config, bus: Bus, store: Store | None, log: DurableLog
 
 @dataclass
 class Picture:
-    """A run's stages as the bus and S3 have them: what `dflash run` shows and phases by, and what the
+    """A run's stages as the bus and S3 have them: what `dfpipe run` shows and phases by, and what the
     trainer asks before it counts a pass over the data as an epoch."""
 
     status: RunStatus

@@ -119,7 +119,7 @@ def resolve_credentials(cfg: Config) -> tuple[str, str]:
         return read_credentials_file(stack_file)
     raise StoreAuthError(
         "no S3 credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, set store.credentials_file, "
-        f"or run `dflash stack up` (which keeps generated ones in {stack_file})"
+        f"or run `dfpipe stack up` (which keeps generated ones in {stack_file})"
     )
 
 
@@ -302,7 +302,7 @@ class Store:
         data, expected = self._call(f"get {key}", get)
         if verify:
             if not expected:
-                raise ChecksumMismatch(f"s3://{self.bucket}/{key} has no sha256 metadata: not written by dflash, refusing")
+                raise ChecksumMismatch(f"s3://{self.bucket}/{key} has no sha256 metadata: not written by dflash-pipeline, refusing")
             actual = sha256_bytes(data)
             if actual != expected:
                 raise ChecksumMismatch(

@@ -1,7 +1,7 @@
 """Real servers for every test: one nats-server and one SeaweedFS S3 per test session.
 
 No mocks of NATS, S3 or the model anywhere: the fixtures start the same binaries that
-`dflash stack up` starts, on free ports, under a temp dir.
+`dfpipe stack up` starts, on free ports, under a temp dir.
 """
 
 from __future__ import annotations

@@ -126,7 +126,7 @@ async def test_poison_and_malformed_payloads_are_dead_lettered_at_once(cfg, bus)
 
     stats = await run_worker(bus, spec, cfg.run, handle, until=lambda s: s.dead_lettered == 2)
     errors = sorted(letter.error for _, letter in await bus.dead_letters(cfg.run))
-    assert errors[0].startswith("malformed payload: not a dflash message")
+    assert errors[0].startswith("malformed payload: not a dflash-pipeline message")
     assert errors[1] == "poison: prompt longer than the engine's context"
     assert stats.acked == 0
 

@@ -54,7 +54,7 @@ def test_every_message_round_trips_and_garbage_is_explained():
         assert decode(encode(m), type(m)) == m
     with pytest.raises(MessageError, match="not msgpack"):
         decode(b"\xc1\xc1")
-    with pytest.raises(MessageError, match="not a dflash message"):
+    with pytest.raises(MessageError, match="not a dflash-pipeline message"):
         decode(msgspec.msgpack.encode({"hello": 1}))
     with pytest.raises(MessageError, match="invalid 'prompt_task' message"):
         decode(msgspec.msgpack.encode({"type": "prompt_task", "run": "r"}))

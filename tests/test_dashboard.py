@@ -210,7 +210,7 @@ async def test_page_shows_counts_gate_silent_worker_and_dead_letters(stack, page
     assert m["NATS"] == "reachable"
     await asyncio.to_thread(wait_page, at, lambda a: metrics(a)["S3"] == "reachable")
 
-    # Replay: a button, then a confirmation; it uses Bus.replay_dead_letters (the `dflash replay` path).
+    # Replay: a button, then a confirmation; it uses Bus.replay_dead_letters (the `dfpipe replay` path).
     at.button(key="replay").click()
     await asyncio.to_thread(at.run)
     assert any("back on their subjects" in w for w in texts(at.warning))

@@ -1,4 +1,4 @@
-"""A real browser on the real page: `dflash dashboard` (a Streamlit server) against the live test stack,
+"""A real browser on the real page: `dfpipe dashboard` (a Streamlit server) against the live test stack,
 loaded by Debian's chromium headless through Python Playwright, while the test publishes a small run.
 """
 
@@ -48,7 +48,7 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout_s: float =
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise AssertionError(f"dflash dashboard exited {proc.returncode}:\n{log.read_text()[-3000:]}")
+            raise AssertionError(f"dfpipe dashboard exited {proc.returncode}:\n{log.read_text()[-3000:]}")
         try:
             with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as r:
                 if r.status == 200 and r.read().strip() == b"ok":
@@ -61,7 +61,7 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout_s: float =
 
 @pytest.fixture
 def dashboard(stack_env, tmp_path) -> Iterator[tuple[str, str]]:
-    """The real `dflash dashboard --run R` on a free port; yields (url, run)."""
+    """The real `dfpipe dashboard --run R` on a free port; yields (url, run)."""
     run, port = new_run(), free_port()
     env = {k: v for k, v in stack_env.items() if k != "DFLASH_DASHBOARD_PASSWORD"}
     env["PYTHONPATH"] = str(ROOT)
@@ -149,7 +149,7 @@ def test_browser_shows_the_published_run_live(stack, dashboard, tmp_path):
 
 
 def test_browser_follows_a_real_run(stack, stack_env, dashboard, tmp_path):
-    """The page open while `dflash run` really feeds, generates (SmolLM2 on CPU) and tokenizes; at the
+    """The page open while `dfpipe run` really feeds, generates (SmolLM2 on CPU) and tokenizes; at the
     end its counts equal the run's own numbers read from the bus and S3."""
     from shared.messages import TokenizedShard
     from shared.status import run_status

@@ -1,4 +1,4 @@
-"""`dflash run` end to end on the live test stack: prompts → completions → samples → drafter → eval,
+"""`dfpipe run` end to end on the live test stack: prompts → completions → samples → drafter → eval,
 then the same command again, which resumes the finished run and redoes nothing."""
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def _dflash_run(stack_env: dict, run: str, prompts: Path, config: Path) -> subpr
 
 
 def _dflash_run_on_a_terminal(stack_env: dict, run: str, prompts: Path, config: Path) -> tuple[int, str]:
-    """`dflash run` with its stdout on a pseudo-terminal, so the live (rich) display is what runs."""
+    """`dfpipe run` with its stdout on a pseudo-terminal, so the live (rich) display is what runs."""
     master, slave = pty.openpty()
     proc = subprocess.Popen(
         [sys.executable, "-m", "shared.cli", "--config", str(config), "run", "--prompts", str(prompts), "--run", run,

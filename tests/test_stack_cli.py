@@ -1,4 +1,4 @@
-"""`dflash stack up | status | down` as a user runs it: real processes, data kept across restarts."""
+"""`dfpipe stack up | status | down` as a user runs it: real processes, data kept across restarts."""
 
 import os
 import subprocess

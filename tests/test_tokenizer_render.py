@@ -358,5 +358,5 @@ def test_a_conversation_the_template_refuses_is_one_drop_not_a_failed_shard(smol
     assert built.samples == builder.build(good).samples
     assert built.samples == SampleBuilder(smol, config(False)).build(good).samples  # the guard changes no rendering
     (drop,) = [d for d in built.drops if d.prompt_id == "bad"]
-    assert drop.reason == "template_error" and "roles must alternate" in drop.example  # listed by `dflash drops`
+    assert drop.reason == "template_error" and "roles must alternate" in drop.example  # listed by `dfpipe drops`
     assert ("bad", "template_error", "Sure.") in built.outcomes  # the gate sees the answer, as for every reason

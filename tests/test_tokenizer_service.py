@@ -107,7 +107,7 @@ async def tokenized_events(bus: Bus, run: str) -> list[TokenizedShard]:
 
 
 async def burst(cfg: Config, tok):
-    """`dflash tokenize --run R --burst`, in process (own stop event: no signal handlers in pytest)."""
+    """`dfpipe tokenize --run R --burst`, in process (own stop event: no signal handlers in pytest)."""
     return await asyncio.wait_for(
         run_service(cfg, burst=True, stop=asyncio.Event(), progress_every_s=0.5, tokenizer=tok), 120)
 
@@ -227,14 +227,14 @@ async def test_normal_run_writes_one_loadable_deduped_shard_per_completion_shard
     assert p.dropped == {"duplicate": 1, "below_min_supervised": 1, "truncated_generation": 1}
     assert not p.gate_tripped
 
-    # `dflash status` reads the same numbers from the shard events.
+    # `dfpipe status` reads the same numbers from the shard events.
     st = await run_status(cfg, bus, store)
     assert (st.tokenized_samples, st.tokenized_records, st.tokenized_shards) == (13, 16, 3)
     assert st.dropped == {"duplicate": 1, "below_min_supervised": 1, "truncated_generation": 1}
     text = format_status(st)
     assert "13 samples kept of 16 records, 3/3 shards" in text and "below_min_supervised 1" in text, text
 
-    # `dflash drops` lists the dropped records (not the duplicate) from the per-shard lists beside the shards.
+    # `dfpipe drops` lists the dropped records (not the duplicate) from the per-shard lists beside the shards.
     assert [k.rsplit("/", 1)[1] for k in store.list(f"runs/{run}/tokenized/{fp}/drops/")] == [
         "gen-0.00000001.jsonl", "gen-1.00000000.jsonl"]  # none for the shard that dropped nothing
     r = cli(stack_env, "drops", "--run", run)
@@ -268,7 +268,7 @@ async def test_normal_run_writes_one_loadable_deduped_shard_per_completion_shard
 
 
 async def test_a_deliberate_regeneration_replaces_the_old_sample(stack, bus, store):
-    """`dflash replay generate --shard` re-queues prompts as generation ≥ 1: the tokenizer must emit their new
+    """`dfpipe replay generate --shard` re-queues prompts as generation ≥ 1: the tokenizer must emit their new
     completions (not drop them as duplicates, even after a restart) and every reader must pick them."""
     from services.trainer.data import load_samples
 
@@ -305,7 +305,7 @@ async def test_a_deliberate_regeneration_replaces_the_old_sample(stack, bus, sto
 
 async def test_the_ok_incident_trips_the_gate_in_the_first_window_and_status_shows_it(stack, stack_env, bus, store):
     """87% of answers collapsed to "OK.": the gate trips within its first window, names the reason with examples,
-    stops consuming (also after a restart), and `dflash status` shows it."""
+    stops consuming (also after a restart), and `dfpipe status` shows it."""
     cfg = make_config(stack, tokenizer={"gate_window": 50})
     run = cfg.run
     tok = await asyncio.to_thread(load_target_tokenizer, cfg)

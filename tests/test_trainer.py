@@ -567,7 +567,7 @@ def test_data_arriving_mid_run_joins_the_next_epoch_and_stretches_the_plan(stack
 
 
 def _feed(stack, stack_env: dict, run: str, tmp_path: Path, n: int = 4) -> list[str]:
-    """`dflash feed` of n prompts (the run's manifest says n accepted); their prompt ids."""
+    """`dfpipe feed` of n prompts (the run's manifest says n accepted); their prompt ids."""
     from shared.messages import PromptTask
 
     src = tmp_path / "prompts.jsonl"

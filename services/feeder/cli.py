@@ -1,4 +1,4 @@
-"""`dflash feed`: queue a prompt set for a run."""
+"""`dfpipe feed`: queue a prompt set for a run."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ async def _feed(args: argparse.Namespace) -> int:
         try:
             summary = await Feeder(cfg, bus, store, worker=args.worker).feed(args.prompts)
         except SourceError as e:
-            print(f"dflash feed: {e}")
+            print(f"dfpipe feed: {e}")
             return 2
     s = summary
     print(f"run {s.run}: read {s.read}, accepted {s.accepted} ({s.published} new, {s.already_fed} fed before), "

@@ -1,4 +1,4 @@
-"""`dflash generate` (a worker per GPU) and `dflash replay generate` (dead letters, or one bad shard)."""
+"""`dfpipe generate` (a worker per GPU) and `dfpipe replay generate` (dead letters, or one bad shard)."""
 
 from __future__ import annotations
 

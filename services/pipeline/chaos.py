@@ -1,4 +1,4 @@
-"""`dflash chaos`: a real small run on its own embedded stack while faults are injected.
+"""`dfpipe chaos`: a real small run on its own embedded stack while faults are injected.
 
 The run is the production one (feeder, N generators on the hf backend, tokenizer, trainer, each a
 supervised process) on a tiny budget. While it runs, faults are injected in a shuffled order,

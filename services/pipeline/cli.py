@@ -1,4 +1,4 @@
-"""`dflash run` (prompts → trained drafter, supervised) and `dflash chaos` (the fault-injection suite)."""
+"""`dfpipe run` (prompts → trained drafter, supervised) and `dfpipe chaos` (the fault-injection suite)."""
 
 from __future__ import annotations
 

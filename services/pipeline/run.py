@@ -1,4 +1,4 @@
-"""`dflash run`: one command from a prompt file to a trained drafter, on the embedded stack or a configured one.
+"""`dfpipe run`: one command from a prompt file to a trained drafter, on the embedded stack or a configured one.
 
 Phases, each judged from the bus and S3 alone (so a re-run resumes where the last one stopped):
 feed (one-shot, idempotent) → generate (N supervised workers; done when every accepted prompt
@@ -44,28 +44,28 @@ class RunPlan:
     extra_env: dict[str, str] = field(default_factory=dict)
 
 
-def dflash(*args: str) -> list[str]:
+def cli_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "shared.cli", *args]
 
 
 def service_specs(cfg: Config, plan: RunPlan) -> list[ServiceSpec]:
     run = cfg.run
-    specs = [ServiceSpec("feeder", dflash("feed", *plan.prompts, "--run", run), one_shot=True)]
+    specs = [ServiceSpec("feeder", cli_argv("feed", *plan.prompts, "--run", run), one_shot=True)]
     for i, gpu in enumerate(plan.generators):
-        argv = dflash("generate", "--run", run, "--worker", f"gen{i}")
+        argv = cli_argv("generate", "--run", run, "--worker", f"gen{i}")
         if gpu is not None:
             argv += ["--gpu", str(gpu)]
         if plan.backend:
             argv += ["--backend", plan.backend]
         specs.append(ServiceSpec(f"generator-{i}", argv))
-    specs.append(ServiceSpec("tokenizer", dflash("tokenize", "--run", run)))
+    specs.append(ServiceSpec("tokenizer", cli_argv("tokenize", "--run", run)))
     if plan.train:
         # Started once tokenization is done: the step count is planned from the whole dataset. (A
         # trainer started by hand or in compose may start early: later shards join its next pass, and its
         # passes count as epochs once generation and tokenization are done.)
-        specs.append(ServiceSpec("trainer", dflash("train", "--run", run), one_shot=True, deferred=True))
+        specs.append(ServiceSpec("trainer", cli_argv("train", "--run", run), one_shot=True, deferred=True))
     if plan.dashboard:
-        specs.append(ServiceSpec("dashboard", dflash("dashboard", "--run", run)))
+        specs.append(ServiceSpec("dashboard", cli_argv("dashboard", "--run", run)))
     for s in specs:
         s.env.update(plan.extra_env)
     return specs
@@ -184,7 +184,7 @@ async def run_pipeline(cfg: Config, plan: RunPlan, *, env: dict[str, str], show:
             return outcome
         report = None
         if plan.train:
-            proc = await asyncio.create_subprocess_exec(*dflash("eval", "--run", cfg.run), env={**os.environ, **env})
+            proc = await asyncio.create_subprocess_exec(*cli_argv("eval", "--run", cfg.run), env={**os.environ, **env})
             if await proc.wait() != 0:
                 print("eval failed (see above)")
                 outcome = 5
@@ -204,7 +204,7 @@ def print_artifacts(cfg: Config, store: Store, report: dict | None, st: RunStatu
           f"letters); {st.tokenized_samples} training samples kept of {st.tokenized_records} records")
     dropped = {r: n for r, n in st.dropped.items() if r != "duplicate"}
     if dropped:
-        print("  dropped: " + ", ".join(f"{r} {n}" for r, n in dropped.items()) + f"  (listed by `dflash drops --run {run}`)")
+        print("  dropped: " + ", ".join(f"{r} {n}" for r, n in dropped.items()) + f"  (listed by `dfpipe drops --run {run}`)")
     print(f"run {run} finished. Artifacts:")
     print(f"  manifest      {store.uri(Keys.manifest(run))}")
     print(f"  rejects       {store.uri(Keys.rejects(run))}")

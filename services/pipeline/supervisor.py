@@ -1,4 +1,4 @@
-"""Supervised service processes for `dflash run`: restart with backoff, report crash loops.
+"""Supervised service processes for `dfpipe run`: restart with backoff, report crash loops.
 
 Each service runs as its own OS process (one event loop each, faults isolated). A process
 that exits non-zero is restarted after an exponential backoff; `crash_limit` crashes inside

@@ -1,4 +1,4 @@
-"""`dflash tokenize` (the service) and `dflash replay tokenize` (re-tokenize from the shard log)."""
+"""`dfpipe tokenize` (the service) and `dfpipe replay tokenize` (re-tokenize from the shard log)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def _tokenize(args: argparse.Namespace) -> int:
     try:
         service = asyncio.run(run_service(cfg, worker=args.worker, burst=args.burst))
     except TemplateError as e:
-        print(f"dflash tokenize: the chat template cannot give exact loss masks: {e}")
+        print(f"dfpipe tokenize: the chat template cannot give exact loss masks: {e}")
         return 2
     c = service.counts
     print(f"run {cfg.run} [template {service.fingerprint}]: {c.shards} shards, {c.samples_kept}/{c.samples_in} "
@@ -64,7 +64,7 @@ def _replay(args: argparse.Namespace) -> int:
     try:
         s = asyncio.run(_replay_async(cfg, args.from_seq))
     except TemplateError as e:
-        print(f"dflash replay tokenize: the chat template cannot give exact loss masks: {e}")
+        print(f"dfpipe replay tokenize: the chat template cannot give exact loss masks: {e}")
         return 2
     print(f"run {cfg.run}: replayed {s.shards} shards from seq {args.from_seq} under template {s.fingerprint}: "
           f"{s.written} written, {s.already_present} already present (unchanged), {len(s.failed)} failed")

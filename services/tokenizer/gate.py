@@ -10,7 +10,7 @@ start of its answer. The gate trips on the first of:
   of it (a run whose every answer is the same long text passes every per-sample check).
 
 A tripped gate is published as an `Alert(kind="quality_gate")` on the run's tokenize alert
-subject (PROGRESS stream, so `dflash status` and the dashboard find it) with example samples, and
+subject (PROGRESS stream, so `dfpipe status` and the dashboard find it) with example samples, and
 recorded in S3 beside the run's tokenized shards so a restarted service does not quietly go on.
 `tokenizer.gate_override` keeps going, and says so with a warning Alert.
 """
@@ -126,6 +126,6 @@ async def gate_alerts(bus: Any, run: str) -> list[Alert]:
 
 
 async def latest_gate_alert(bus: Any, run: str) -> Alert | None:
-    """The last quality-gate Alert of a run, for `dflash status` and the dashboard; None if it never tripped."""
+    """The last quality-gate Alert of a run, for `dfpipe status` and the dashboard; None if it never tripped."""
     alerts = await gate_alerts(bus, run)
     return alerts[-1] if alerts else None

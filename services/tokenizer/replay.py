@@ -1,4 +1,4 @@
-"""`dflash replay tokenize`: re-tokenize every completion shard from the SHARDS log.
+"""`dfpipe replay tokenize`: re-tokenize every completion shard from the SHARDS log.
 
 Nothing is regenerated: the log holds every ShardWritten ever published, and the completion
 shards are still in S3. Output goes under the fingerprint of the template and policy given now

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 class Drop:
     prompt_id: str
     reason: str
-    example: str  # the start of the answer (the template's message for template_error), for `dflash drops`
+    example: str  # the start of the answer (the template's message for template_error), for `dfpipe drops`
     num_supervised: int | None = None  # known when dropped after tokenizing (the histogram shows the spike)
 
 

@@ -1,4 +1,4 @@
-"""`dflash tokenize`: ShardWritten events in, tokenized Parquet shards and TokenizedShard events out.
+"""`dfpipe tokenize`: ShardWritten events in, tokenized Parquet shards and TokenizedShard events out.
 
 config -> connect -> loop. One handler per ShardWritten, write-then-ack:
 read the completions shard (checksum verified) -> build samples (off the event loop) -> quality
@@ -75,7 +75,7 @@ def shard_summary(built: ShardSamples) -> dict[str, Any]:
     """What a shard's build dropped and why, and its histogram (kept samples and those dropped after
     tokenizing), stored in the shard's Parquet metadata: its TokenizedShard event carries the counts (so
     the data-quality numbers are rebuilt from the shard log, through tokenizer restarts), and `drops` lists
-    the dropped records (duplicates aside: those are redeliveries) for `dflash drops`. Stored with the
+    the dropped records (duplicates aside: those are redeliveries) for `dfpipe drops`. Stored with the
     shard, so a shard announced again from S3 (another worker's, or after a crash) keeps all of it."""
     hist = Counter(histogram_bucket(s.num_supervised) for s in built.samples)
     hist.update(histogram_bucket(d.num_supervised) for d in built.drops if d.num_supervised is not None)

@@ -1,4 +1,4 @@
-"""`dflash train`, `dflash eval` and `dflash plan`."""
+"""`dfpipe train`, `dfpipe eval` and `dfpipe plan`."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ async def _eval_async(cfg: Any, limit: int | None) -> dict:
         held = await asyncio.to_thread(load_samples, store, keys, holdout_mod=cfg.trainer.holdout_mod, train=False)
         prompts = [prompt_part(s) for s in held][: limit or cfg.trainer.eval_prompts]
         if not prompts:
-            raise SystemExit(f"dflash eval: run {cfg.run} has no held-out samples (trainer.holdout_mod)")
+            raise SystemExit(f"dfpipe eval: run {cfg.run} has no held-out samples (trainer.holdout_mod)")
         ckpt = json.loads(await asyncio.to_thread(store.get_bytes, latest_key(cfg.run)))["key"]
 
         def run() -> dict:

@@ -5,7 +5,7 @@ The trainer takes the announcements through its durable consumer (`ShardFeed`) a
 so training can begin while generation and tokenization still run; the shard list is fixed per
 epoch (later shards join the next one). Only the newest template fingerprint is used (a
 re-tokenization supersedes the old output). Every `holdout_mod`-th prompt (by prompt_id hash) is
-held out of training for `dflash eval`.
+held out of training for `dfpipe eval`.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ class ShardFeed:
 
 
 async def shard_keys(bus: Bus, run: str) -> list[str]:
-    """The newest fingerprint's shard keys, read from the whole log (for `dflash eval` and readers)."""
+    """The newest fingerprint's shard keys, read from the whole log (for `dfpipe eval` and readers)."""
     shards: dict[str, tuple[str, int]] = {}
     async for seq, e in bus.replay("TOKENIZED", Subjects.tokenized(run), 1, TokenizedShard):
         if e.num_samples > 0:

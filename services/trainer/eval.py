@@ -1,4 +1,4 @@
-"""`dflash eval`: real speculative decoding with the trained drafter and the target, greedy, on held-out prompts.
+"""`dfpipe eval`: real speculative decoding with the trained drafter and the target, greedy, on held-out prompts.
 
 Per cycle: the block [last token, MASK × (B−1)] sits right after the verified text; one drafter
 pass proposes B−1 tokens (greedy); one target forward over the block verifies them; the longest

@@ -1,4 +1,4 @@
-"""`dflash plan`: what a run will cost before it starts, from a few numbers (or a live generation's rate).
+"""`dfpipe plan`: what a run will cost before it starts, from a few numbers (or a live generation's rate).
 
 - generation: samples × (avg prompt+completion is irrelevant; completion tokens matter) / (tokens/s per
   GPU × GPUs) → days.
