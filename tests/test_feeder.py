@@ -105,9 +105,9 @@ def test_source_errors_are_clear(tmp_path):
     (tmp_path / "x.json").write_text('{"prompt": "an object, not an array"}')
     with pytest.raises(SourceError, match="must be an array"):
         list(read_records(tmp_path / "x.json"))
-    (tmp_path / "y.json").write_text('[{"prompt": "a"}, {"prompt": ')
-    with pytest.raises(SourceError, match="record 2"):
-        list(read_records(tmp_path / "y.json"))
+    (tmp_path / "y.json").write_text('[{"prompt": "a"}, {"prompt": ')  # cut short: what is there is kept
+    got = list(read_records(tmp_path / "y.json"))
+    assert [r.value for r in got[:1]] == [{"prompt": "a"}] and "cannot resync" in got[1].error and len(got) == 2
     (tmp_path / "z.bin").write_bytes(b"\x00\x01binary")
     with pytest.raises(SourceError, match="cannot tell the format"):
         list(read_records(tmp_path / "z.bin"))
@@ -119,3 +119,105 @@ def test_large_json_array_streams_across_chunks(tmp_path):
     got = [r.value["prompt"] for r in read_records(tmp_path / "big.json")]
     assert got == [r["prompt"] for r in recs]
     assert msgspec.json.decode(msgspec.json.encode(got[:1]))  # plain strings back
+
+
+# --- messy files: no record stops a feed ---------------------------------------------------------
+
+
+def rejects_of(store, run: str) -> list[dict]:
+    return [json.loads(line) for line in store.get_bytes(Keys.rejects(run)).decode().splitlines()]
+
+
+async def test_invalid_utf8_bom_crlf_and_blank_lines_never_stop_a_feed(stack, bus, store, tmp_path):
+    cfg = make_config(stack)
+    src = tmp_path / "messy.jsonl"
+    src.write_bytes(b"\xef\xbb\xbf" + b'{"prompt": "first, after a BOM"}\r\n'  # Windows export: BOM and CRLF
+                    + b'{"prompt": "caf\xe9 latin-1 bytes"}\r\n'  # not UTF-8
+                    + b"\r\n   \n"
+                    + b'{"prompt": "second"}\r\n'
+                    + b'{"prompt": "no newline at the end"}')
+    s = await Feeder(cfg, bus, store).feed([str(src)])
+    assert (s.read, s.accepted, s.rejected, s.blank, s.duplicates) == (6, 3, 1, 2, 0)
+    assert s.read == s.accepted + s.rejected + s.blank + s.duplicates
+    assert {t.messages[0].content for t in await tasks_on_bus(bus, cfg.run)} == {
+        "first, after a BOM", "second", "no newline at the end"}
+    (reject,) = rejects_of(store, cfg.run)
+    assert reject["line"] == 2 and reject["reason"] == "invalid UTF-8 at byte 15"
+    assert reject["raw"] == '{"prompt": "caf\\xe9 latin-1 bytes"}'  # the bytes, escaped
+    manifest = json.loads(store.get_bytes(Keys.manifest(cfg.run)))
+    entry = manifest["sources"][str(src)]
+    assert (entry["read"], entry["accepted"], entry["rejected"], entry["blank"]) == (6, 3, 1, 2)
+
+
+def test_json_array_resyncs_after_a_bad_element_and_counts_what_it_cannot(tmp_path):
+    src = tmp_path / "a.json"
+    src.write_bytes(b'\xef\xbb\xbf[\r\n {"prompt": "one"},\r\n {"prompt": tru},\r\n {"prompt": "three"},\r\n'
+                    b' {"prompt": "cut sh\r\n {"prompt": "five"},\r\n {"prompt": "six"}\r\n]\r\n')
+    got = list(read_records(src))
+    assert [r.line for r in got] == [1, 2, 3, 4, 5, 6]
+    assert [r.value for r in got if not r.error] == [{"prompt": p} for p in ("one", "three", "five", "six")]
+    assert "invalid JSON" in got[1].error and got[1].raw == b'{"prompt": tru}'
+    assert "resynced" in got[3].error and got[3].raw.startswith(b'{"prompt": "cut sh')
+    # a break nothing after which parses: one reject for the rest, saying how much it was
+    src.write_text('[{"prompt": "one"}, {"prompt": "two\\", ' + ", ".join(['{"prompt": "x\\"}'] * 5))
+    got = list(read_records(src))
+    assert got[0].value == {"prompt": "one"} and len(got) == 2
+    assert "cannot resync" in got[1].error and "about 6 elements" in got[1].error
+
+
+def test_a_huge_line_is_rejected_unread_in_bounded_memory(tmp_path):
+    import tracemalloc
+
+    src = tmp_path / "huge.jsonl"
+    with open(src, "wb") as f:
+        f.write(b'{"prompt": "before"}\n{"prompt": "')
+        for _ in range(100):
+            f.write(b"x" * (1 << 20))  # a 100 MiB line
+        f.write(b'"}\n{"prompt": "after"}\n')
+    tracemalloc.start()
+    try:
+        got = list(read_records(src, max_record_bytes=16 << 20))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert [r.value for r in got if not r.error] == [{"prompt": "before"}, {"prompt": "after"}]
+    assert got[1].line == 2 and "over max_record_bytes" in got[1].error and got[1].size == (100 << 20) + 14
+    assert peak < 1 << 20, peak  # the line is never copied
+
+
+async def test_far_too_long_prompt_is_rejected_by_its_bytes_without_tokenizing(stack, bus, store, tmp_path):
+    from services.feeder.feed import TokenCounter
+
+    cfg = make_config(stack, feeder={"max_prompt_tokens": 200})
+    counter = TokenCounter(cfg)
+    assert 4 <= counter.max_token_bytes <= 256
+    src = tmp_path / "long.jsonl"
+    write_jsonl(src, [{"prompt": "word " * 2_000_000}, {"prompt": "word " * 300}, {"prompt": "short"}])
+    s = await Feeder(cfg, bus, store).feed([str(src)])
+    assert (s.accepted, s.rejected) == (1, 2)
+    by_line = {r["line"]: r for r in rejects_of(store, cfg.run)}
+    # 10 MB: refused by its byte length (a lower bound on its tokens), never tokenized; its echo is a prefix
+    assert "by its length in bytes" in by_line[1]["reason"] and by_line[1]["record"] is None
+    assert len(by_line[1]["raw"]) < 300
+    assert "~" in by_line[2]["reason"] and by_line[2]["record"]  # near the limit: counted exactly
+
+
+async def test_a_foreign_file_is_refused_once_with_the_keys_found(stack, bus, store, tmp_path):
+    cfg = make_config(stack)
+    foreign = tmp_path / "wiki.jsonl"
+    write_jsonl(foreign, [{"id": i, "text": f"article {i}", "title": "t"} for i in range(1000)])
+    columns = tmp_path / "table.parquet"
+    pq.write_table(pa.Table.from_pylist([{"question": "q?", "answer": "a"}] * 10), columns)
+    obj = tmp_path / "wrapped.json"
+    obj.write_text(json.dumps({"data": GOOD, "version": 2}))
+    good = tmp_path / "good.jsonl"
+    write_jsonl(good, GOOD)
+    s = await Feeder(cfg, bus, store).feed([str(foreign), str(columns), str(obj), str(good)])
+    assert s.accepted == 5 and s.rejected == 0 and s.read == 5  # the refused files count nothing
+    assert "keys found: id, text, title" in s.refused[str(foreign)] and "expected messages" in s.refused[str(foreign)]
+    assert "columns question, answer" in s.refused[str(columns)]
+    assert "one object with keys data, version" in s.refused[str(obj)]
+    assert not store.exists(Keys.rejects(cfg.run))  # not 1000 identical rejects
+    manifest = json.loads(store.get_bytes(Keys.manifest(cfg.run)))
+    assert set(manifest["refused"]) == {str(foreign), str(columns), str(obj)}
+    assert manifest["sources"][str(good)]["accepted"] == 5

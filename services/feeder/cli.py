@@ -1,9 +1,16 @@
-"""`dfpipe feed`: queue a prompt set for a run."""
+"""`dfpipe feed`: queue a prompt set for a run.
+
+Exit codes: 0 every source fed (rejected records are listed, not fatal); 2 a source was refused as a
+whole (no such file or object, bucket missing or credentials refused, unreadable, or none of its
+records has a prompt) while the other sources were still fed and the manifest written; 3 the feeder's
+own S3 (the run's bucket) refused it.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 from typing import Any
 
 
@@ -13,26 +20,22 @@ async def _feed(args: argparse.Namespace) -> int:
     from shared.store import Keys, Store
 
     from .feed import Feeder
-    from .sources import SourceError
 
     cfg = load(args)
     store = await asyncio.to_thread(Store.open, cfg)
     async with await Bus.connect(cfg.bus, "feeder", deadline_s=30) as bus:
         await bus.ensure_streams()
-        try:
-            summary = await Feeder(cfg, bus, store, worker=args.worker).feed(args.prompts)
-        except SourceError as e:
-            print(f"dfpipe feed: {e}")
-            return 2
-    s = summary
+        s = await Feeder(cfg, bus, store, worker=args.worker).feed(args.prompts)
     print(f"run {s.run}: read {s.read}, accepted {s.accepted} ({s.published} new, {s.already_fed} fed before), "
-          f"duplicates {s.duplicates}, rejected {s.rejected} in {s.seconds:.1f}s")
+          f"duplicates {s.duplicates}, rejected {s.rejected}, blank {s.blank} in {s.seconds:.1f}s")
     for reason, n in s.reject_reasons.items():
         print(f"  reject  {n:>7}  {reason}")
     if s.rejected:
         print(f"  rejects: {store.uri(Keys.rejects(s.run))}")
     print(f"  manifest: {store.uri(Keys.manifest(s.run))}")
-    return 0
+    for source, why in s.refused.items():
+        print(f"dfpipe feed: refused {source}: {why}", file=sys.stderr)
+    return 2 if s.refused else 0  # 2: a source was refused (missing, unreadable, foreign); the others were fed
 
 
 def register(sub: Any, replay: Any) -> None:

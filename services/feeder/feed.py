@@ -17,6 +17,7 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from typing import TextIO
 
 import msgspec
 import nats.js.errors
@@ -27,12 +28,18 @@ from shared.messages import ChatMessage, FeederProgress, PromptTask, Subjects
 from shared.records import jsonl_line
 from shared.store import Keys, Store
 
-from .normalize import RejectedRecord, normalize, prompt_id
-from .sources import Raw, local_copy, read_records
+from .normalize import RejectedRecord, UnknownShape, normalize, prompt_id
+from .sources import SHAPES, Raw, SourceError, escaped, local_copy, read_records
 
 log = logging.getLogger("dflash.feeder")
 
 BATCH = 1000
+PENDING_BYTES = 32 << 20  # content bytes held for one token-count-and-publish batch
+RECORD_ECHO_BYTES = 4096  # a parsed reject up to this size is echoed whole in rejects.jsonl, a larger one as a prefix
+
+
+class ForeignSource(SourceError):
+    """Every record read so far has none of the four record shapes: the wrong file, refused once."""
 
 
 def reason_kind(reason: str) -> str:
@@ -45,16 +52,24 @@ def reason_kind(reason: str) -> str:
 
 
 class FeedSummary(msgspec.Struct, kw_only=True):
+    """Counts that add up: read = accepted + duplicates + rejected + blank, for every source read."""
+
     run: str
     sources: list[str]
-    read: int = 0
+    read: int = 0  # lines (JSONL), elements (JSON array) or rows (Parquet)
+    blank: int = 0  # empty lines
     accepted: int = 0
     duplicates: int = 0  # repeats inside this feed
     rejected: int = 0
     published: int = 0  # new on the bus
     already_fed: int = 0  # accepted but queued by an earlier feed of this run
     reject_reasons: dict[str, int] = {}
+    refused: dict[str, str] = {}  # source -> why it was not read (or not read to the end)
     seconds: float = 0.0
+
+
+COUNTS = ("read", "blank", "accepted", "duplicates", "rejected", "published", "already_fed")
+FOREIGN_SAMPLE = 100  # a source whose first records all have none of the four shapes is refused once
 
 
 class TokenCounter:
@@ -68,15 +83,26 @@ class TokenCounter:
         from shared.model import resolve_target
 
         self.tok = Tokenizer.from_file(str(resolve_target(cfg.model.target) / "tokenizer.json"))
+        # No token covers more bytes than the longest vocabulary entry (added tokens included), so a prompt
+        # of B bytes has at least B / max_token_bytes tokens: far-too-long prompts are refused untokenized.
+        self.max_token_bytes = max(len(t.encode()) for t in self.tok.get_vocab(with_added_tokens=True))
+
+    def lower_bound(self, conv: list[ChatMessage]) -> int:
+        return sum(len(m.content.encode()) for m in conv) // self.max_token_bytes + self.PER_TURN * len(conv)
 
     def upper_bound(self, conv: list[ChatMessage]) -> int:
         """Byte-level BPE and byte-fallback tokenizers never emit more tokens than bytes (+1 for a prefix)."""
         return sum(len(m.content.encode()) + 1 for m in conv) + self.PER_TURN * len(conv)
 
     def count(self, convs: list[list[ChatMessage]], limit: int) -> list[int]:
-        """Token counts, exact where the bound could exceed `limit` (the rest get their upper bound)."""
+        """Token counts, exact where the limit falls between the bounds; a lower bound over `limit` is returned
+        as it is (untokenized: a 100 MB prompt costs its byte count, not a tokenization), the rest get their upper bound."""
         bounds = [self.upper_bound(c) for c in convs]
-        todo = [i for i, b in enumerate(bounds) if b > limit]
+        for i, c in enumerate(convs):
+            if bounds[i] > limit and (low := self.lower_bound(c)) > limit:
+                bounds[i] = low
+        todo = [i for i, (b, c) in enumerate(zip(bounds, convs, strict=True))
+                if b > limit and b == self.upper_bound(c)]
         if not todo:
             return bounds
         exact = self._exact([convs[i] for i in todo])
@@ -92,6 +118,51 @@ class TokenCounter:
             out.append(sum(lens[i:i + len(conv)]) + self.PER_TURN * len(conv))
             i += len(conv)
         return out
+
+
+class _SourceBatch:
+    """Accepted records of one source waiting for their token count and publish, and its pending rejects.
+
+    Bounded: at most BATCH prompts or PENDING_BYTES of content are held; a prompt whose byte length alone
+    puts it over max_prompt_tokens is rejected at once, without being held or tokenized."""
+
+    def __init__(self, feeder: Feeder, source: str, rejects_file: TextIO) -> None:
+        self.feeder, self.source, self.rejects_file = feeder, source, rejects_file
+        self.pending: list[tuple[Raw, list[ChatMessage], str]] = []
+        self.pending_bytes = 0
+        self.rejects: list[str] = []
+
+    async def add(self, raw: Raw, msgs: list[ChatMessage], pid: str) -> None:
+        f = self.feeder
+        limit = f.cfg.feeder.max_prompt_tokens
+        if f.counter and (low := f.counter.lower_bound(msgs)) > limit:
+            f._reject(self.rejects, self.source, raw, f"prompt too long: at least {low} tokens by its length in bytes "
+                      f"> max_prompt_tokens {limit}")
+            return
+        self.pending.append((raw, msgs, pid))
+        self.pending_bytes += sum(len(m.content) for m in msgs)
+        if len(self.pending) >= BATCH or self.pending_bytes >= PENDING_BYTES:
+            await self.flush()
+
+    async def flush(self) -> None:
+        if not self.pending:
+            return
+        f, limit = self.feeder, self.feeder.cfg.feeder.max_prompt_tokens
+        lens = f.counter.count([m for _, m, _ in self.pending], limit) if f.counter else [0] * len(self.pending)
+        tasks = []
+        for (raw, msgs, pid), n in zip(self.pending, lens, strict=True):
+            if f.counter and n > limit:
+                f._reject(self.rejects, self.source, raw, f"prompt too long: ~{n} tokens > max_prompt_tokens {limit}")
+                continue
+            tasks.append(PromptTask(run=f.run, prompt_id=pid, messages=msgs, source=self.source, line=raw.line))
+        f.summary.accepted += len(tasks)
+        self.pending.clear()
+        self.pending_bytes = 0
+        await f._publish(tasks)
+
+    def write_rejects(self) -> None:
+        self.rejects_file.writelines(self.rejects)
+        self.rejects.clear()
 
 
 class Feeder:
@@ -147,52 +218,79 @@ class Feeder:
         for t in batch:
             await self.bus.nc.publish(Subjects.registry(self.run, t.prompt_id), b"")
 
-    def _reject(self, out, source: str, raw: Raw, reason: str) -> None:
+    def _reject(self, out: list[str], source: str, raw: Raw, reason: str) -> None:
+        """One line of rejects.jsonl: where, why, and what was there (the record, or its first bytes escaped)."""
         self.summary.rejected += 1
         self.reasons[reason_kind(reason)] += 1
-        record = raw.value if raw.error == "" else None
-        out.write(jsonl_line({"source": source, "line": raw.line, "reason": reason, "record": record}))
+        entry: dict = {"source": source, "line": raw.line, "reason": reason, "record": None}
+        if raw.error:
+            entry["raw"] = escaped(raw.raw, raw.size)
+        else:
+            encoded = msgspec.json.encode(raw.value)
+            if len(encoded) <= RECORD_ECHO_BYTES:
+                entry["record"] = raw.value
+            else:
+                entry["raw"] = escaped(encoded, len(encoded))
+        out.append(jsonl_line(entry))
 
-    async def feed_source(self, source: str, rejects) -> None:
-        s = self.summary
-        max_tokens = self.cfg.feeder.max_prompt_tokens
+    async def feed_source(self, source: str, rejects_file: TextIO) -> None:
+        """Every record of `source` ends as accepted, duplicate, rejected or blank. Rejects are held back
+        until FOREIGN_SAMPLE records have been read, so a foreign file is refused without a reject per line."""
         with local_copy(source, self.cfg) as path:
-            pending: list[tuple[Raw, list[ChatMessage], str]] = []
+            batch = _SourceBatch(self, source, rejects_file)
+            try:
+                await self._read(batch, path)
+            except ForeignSource:
+                raise
+            except SourceError:  # unreadable from some record on: the records before it are kept and counted
+                await batch.flush()
+                batch.write_rejects()
+                raise
 
-            async def flush() -> None:
-                lens = (self.counter.count([m for _, m, _ in pending], max_tokens) if self.counter
-                        else [0] * len(pending))
-                tasks = []
-                for (raw, msgs, pid), n in zip(pending, lens, strict=True):
-                    if self.counter and n > max_tokens:
-                        self._reject(rejects, source, raw, f"prompt too long: ~{n} tokens > max_prompt_tokens {max_tokens}")
-                        continue
-                    tasks.append(PromptTask(run=self.run, prompt_id=pid, messages=msgs, source=source, line=raw.line))
-                s.accepted += len(tasks)
-                await self._publish(tasks)
-                pending.clear()
+    async def _read(self, batch: _SourceBatch, path: Path) -> None:
+        s = self.summary
+        foreign_keys: set[str] = set()  # "" once any record is not a foreign one
+        read = 0
+        for raw in read_records(path, max_record_bytes=self.cfg.feeder.max_record_bytes):
+            read += 1
+            s.read += 1
+            if read == FOREIGN_SAMPLE:
+                self._check_not_foreign(batch.source, foreign_keys, read - 1)
+            if read >= FOREIGN_SAMPLE and len(batch.rejects) >= BATCH:
+                batch.write_rejects()
+            if raw.blank:
+                s.blank += 1
+                continue
+            if raw.error:
+                foreign_keys.add("")
+                self._reject(batch.rejects, batch.source, raw, raw.error)
+                continue
+            try:
+                msgs = normalize(raw.value)
+            except RejectedRecord as e:
+                foreign_keys.update((e.keys or [""]) if isinstance(e, UnknownShape) else [""])
+                self._reject(batch.rejects, batch.source, raw, str(e))
+                continue
+            foreign_keys.add("")
+            pid = prompt_id(msgs)
+            digest = bytes.fromhex(pid)
+            if digest in self._seen:
+                s.duplicates += 1
+                continue
+            self._seen.add(digest)
+            await batch.add(raw, msgs, pid)
+        await batch.flush()
+        if read < FOREIGN_SAMPLE:
+            self._check_not_foreign(batch.source, foreign_keys, read)
+        batch.write_rejects()
 
-            for raw in read_records(path):
-                s.read += 1
-                if raw.error:
-                    self._reject(rejects, source, raw, raw.error)
-                    continue
-                try:
-                    msgs = normalize(raw.value)
-                except RejectedRecord as e:
-                    self._reject(rejects, source, raw, str(e))
-                    continue
-                pid = prompt_id(msgs)
-                digest = bytes.fromhex(pid)
-                if digest in self._seen:
-                    s.duplicates += 1
-                    continue
-                self._seen.add(digest)
-                pending.append((raw, msgs, pid))
-                if len(pending) >= BATCH:
-                    await flush()
-            if pending:
-                await flush()
+    @staticmethod
+    def _check_not_foreign(source: str, keys: set[str], records: int) -> None:
+        """Refuse a source whose records so far are all objects with none of the four shapes."""
+        if keys and "" not in keys:
+            shown = ", ".join(sorted(keys)[:20])
+            raise ForeignSource(f"{source}: none of its first {records} records has a prompt; keys found: {shown}; "
+                                f"expected {SHAPES}")
 
     async def feed(self, sources: list[str]) -> FeedSummary:
         started = time.monotonic()
@@ -205,12 +303,24 @@ class Feeder:
                         self.summary.sources.append(source)
                         before = msgspec.structs.asdict(self.summary)
                         reasons_before = Counter(self.reasons)
-                        await self.feed_source(source, rejects)
+                        refused = ""
+                        try:
+                            await self.feed_source(source, rejects)
+                        except ForeignSource as e:  # nothing of it was accepted: as if it was never read
+                            refused = str(e)
+                            for k in COUNTS:
+                                setattr(self.summary, k, before[k])
+                            self.reasons = reasons_before
+                        except SourceError as e:  # unreadable (from some record on): what was read counts
+                            refused = str(e)
                         after = msgspec.structs.asdict(self.summary)
-                        entry = {k: after[k] - before[k] for k in ("read", "accepted", "duplicates", "rejected",
-                                                                     "published", "already_fed")}
+                        entry: dict = {k: after[k] - before[k] for k in COUNTS}
                         entry["reject_reasons"] = dict((self.reasons - reasons_before).most_common())
                         entry["ts"] = time.time()
+                        if refused:
+                            entry["refused"] = refused
+                            self.summary.refused[source] = refused
+                            log.error("source refused: %s", refused)
                         self.per_source[source] = entry
             await self.bus.nc.flush()  # the registry entries are on the server before the manifest says done
             self.summary.reject_reasons = dict(self.reasons.most_common())
@@ -245,9 +355,12 @@ class Feeder:
         manifest.update({
             "run": self.run,
             "sources": feeds,
+            "total_read": sum(f.get("read", 0) for f in feeds.values()),
+            "total_blank": sum(f.get("blank", 0) for f in feeds.values()),
             "total_accepted": sum(f["accepted"] for f in feeds.values()),
             "total_rejected": sum(f["rejected"] for f in feeds.values()),
             "total_duplicates": sum(f["duplicates"] for f in feeds.values()),
+            "refused": {src: f["refused"] for src, f in feeds.items() if f.get("refused")},
             "config_fingerprint": fingerprint(msgspec.structs.replace(self.cfg, bus=None, store=None, stack=None)),
             "model": self.cfg.model.target,
             "sampling": msgspec.to_builtins(self.cfg.sampling),

@@ -41,6 +41,15 @@ class RejectedRecord(ValueError):
     """A record the feeder cannot use; the message is the reason written to rejects.jsonl."""
 
 
+class UnknownShape(RejectedRecord):
+    """An object with none of the four shapes' fields: a file made only of these is refused once, not per record."""
+
+    def __init__(self, keys: list[str]) -> None:
+        self.keys = keys
+        shown = ", ".join(keys[:8]) or "none"
+        super().__init__(f"no messages, conversations, prompt or instruction field (keys: {shown})")
+
+
 def _text(value: Any, where: str) -> str:
     if isinstance(value, str):
         text = value
@@ -56,6 +65,10 @@ def _text(value: Any, where: str) -> str:
         raise RejectedRecord(f"{where}: missing content")
     else:
         raise RejectedRecord(f"{where}: content must be a string, not {type(value).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # a JSON escape of half a surrogate pair: no Unicode text, no prompt
+        raise RejectedRecord(f"{where}: content is not valid Unicode (a lone surrogate escape)") from None
     text = unicodedata.normalize("NFC", text.replace("\r\n", "\n")).strip()
     if not text:
         raise RejectedRecord(f"{where}: empty content")
@@ -106,8 +119,7 @@ def normalize(record: Any) -> list[ChatMessage]:
         user = f"{instruction}\n\n{_text(extra, 'input')}" if isinstance(extra, str) and extra.strip() else instruction
         msgs = _with_system(record, user)
     else:
-        keys = ", ".join(sorted(map(str, record))[:8]) or "none"
-        raise RejectedRecord(f"no messages, conversations, prompt or instruction field (keys: {keys})")
+        raise UnknownShape(sorted(map(str, record)))
     if msgs and msgs[-1].role == "assistant":
         msgs.pop()  # regenerated: see the multi-turn policy above
     if not msgs:

@@ -1,15 +1,23 @@
-"""Stream records out of a prompt file (local or `s3://bucket/key`) in constant memory.
+"""Stream records out of a prompt file (local or `s3://bucket/key`) in bounded memory.
 
 Formats, auto-detected by extension then by content: JSONL (one object per line), JSON (a
-top-level array, parsed incrementally), Parquet (row batches). Each record comes with its
-1-based number in the source (the line for JSONL), so a reject names exactly what to fix.
+top-level array, split into elements incrementally), Parquet (row batches). Each record comes
+with its 1-based number in the source (the line for JSONL, the element for a JSON array, the
+row for Parquet), so a reject names exactly what to fix.
+
+No record stops a source: any bytes on a line (or in an array element) become a `Raw` with a
+value, or with an error and a bounded prefix of the raw bytes. Text files are memory-mapped, so
+the reader holds at most one record of `max_record_bytes` at a time; a longer record is counted
+and rejected without being copied or parsed. A UTF-8 byte-order mark and CRLF line ends are
+accepted in every format. Only a source that is unusable as a whole raises `SourceError`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
+import mmap
 import os
+import re
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,18 +27,55 @@ import msgspec
 
 from shared.config import Config
 
-CHUNK = 1 << 20
+BOM = b"\xef\xbb\xbf"
+RAW_PREFIX = 200  # bytes of a rejected record kept in rejects.jsonl (escaped)
+RESYNC_TRIES = 1000  # candidate element starts tried after a broken JSON array element
+SHAPES = "messages (OpenAI), conversations (ShareGPT), prompt (plain) or instruction (Alpaca)"
 _decoder = msgspec.json.Decoder()
 
 
 class SourceError(ValueError):
-    """The source as a whole is unusable (missing, unknown format, not an array)."""
+    """The source as a whole is unusable (missing, unknown format, not an array, foreign)."""
 
 
 class Raw(msgspec.Struct):
     line: int
     value: Any = None
     error: str = ""  # set when this one record could not be parsed
+    raw: bytes = b""  # the first RAW_PREFIX bytes of the record, for its reject
+    size: int = 0  # the record's length in bytes in the source
+    blank: bool = False  # an empty or whitespace-only line (JSONL): counted, nothing else
+
+
+def escaped(raw: bytes, size: int | None = None) -> str:
+    """Bytes as text a person can read in a JSON file: invalid UTF-8 as \\xNN, a cut marked with its size."""
+    text = raw[:RAW_PREFIX].decode("utf-8", "backslashreplace")
+    size = len(raw) if size is None else size
+    return text + (f"… ({size} bytes)" if size > RAW_PREFIX else "")
+
+
+def parse_record(data: bytes, line: int) -> Raw:
+    """One record's bytes → its JSON value, or the reason it has none. Strict: RFC 8259 JSON in UTF-8."""
+    try:
+        return Raw(line, _decoder.decode(data), size=len(data))
+    except UnicodeDecodeError:
+        return Raw(line, error=f"invalid UTF-8 at byte {_bad_utf8_at(data)}", raw=data[:RAW_PREFIX], size=len(data))
+    except msgspec.DecodeError as e:  # ValidationError (a number out of range) included
+        return Raw(line, error=f"invalid JSON: {e}", raw=data[:RAW_PREFIX], size=len(data))
+
+
+def _bad_utf8_at(data: bytes) -> int:
+    """The offset in the record (msgspec gives it inside the string it was decoding)."""
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return e.start
+    return 0
+
+
+def _too_big(line: int, head: bytes, size: int, limit: int) -> Raw:
+    return Raw(line, error=f"record of {size} bytes is over max_record_bytes {limit}: not read",
+               raw=head[:RAW_PREFIX], size=size)
 
 
 def detect_format(path: Path) -> str:
@@ -42,7 +87,7 @@ def detect_format(path: Path) -> str:
         head = f.read(4096)
     if head.startswith(b"PAR1"):
         return "parquet"
-    stripped = head.lstrip(b"\xef\xbb\xbf \t\r\n")
+    stripped = head.removeprefix(BOM).lstrip(b" \t\r\n")
     if stripped.startswith(b"["):
         return "json"
     if stripped.startswith(b"{"):
@@ -50,69 +95,176 @@ def detect_format(path: Path) -> str:
     raise SourceError(f"{path}: cannot tell the format (not JSONL, a JSON array or Parquet)")
 
 
-def _jsonl(path: Path) -> Iterator[Raw]:
+@contextlib.contextmanager
+def _mapped(path: Path) -> Iterator[bytes | mmap.mmap]:
+    """The file's bytes without reading them into memory (an empty file cannot be mapped)."""
     with open(path, "rb") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                yield Raw(n, _decoder.decode(line))
-            except msgspec.DecodeError as e:
-                yield Raw(n, error=f"invalid JSON: {e}")
+        if os.fstat(f.fileno()).st_size == 0:
+            yield b""
+            return
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            yield mm
+        finally:
+            mm.close()
 
 
-def _json_array(path: Path) -> Iterator[Raw]:
-    """Objects of a top-level JSON array, decoded one at a time from a sliding buffer."""
-    dec = json.JSONDecoder()
-    with open(path, encoding="utf-8-sig") as f:
-        buf = f.read(CHUNK).lstrip()
-        if not buf.startswith("["):
-            raise SourceError(f"{path}: a JSON source must be an array of records")
-        pos, n, eof = 1, 0, False
+def _jsonl(path: Path, max_record_bytes: int) -> Iterator[Raw]:
+    with _mapped(path) as mm:
+        pos = len(BOM) if mm[:len(BOM)] == BOM else 0
+        n, end_of_file = 0, len(mm)
+        while pos < end_of_file:
+            n += 1
+            nl = mm.find(b"\n", pos)
+            end = end_of_file if nl < 0 else nl
+            size = end - pos
+            if size > max_record_bytes:
+                yield _too_big(n, mm[pos:pos + RAW_PREFIX], size, max_record_bytes)
+            else:
+                line = mm[pos:end].rstrip(b"\r")
+                yield Raw(n, blank=True) if not line.strip() else parse_record(line, n)
+            pos = end + 1
+
+
+# --- JSON arrays: split into elements by structure, each element parsed on its own ----------------
+
+_WS = re.compile(rb"[ \t\r\n]*")
+_STRUCT = re.compile(rb'[\[\]{},"]')
+_STRING_REST = re.compile(rb'(?:[^"\\]|\\.)*"', re.S)  # after an opening quote: up to its closing quote
+_ELEMENT_START = re.compile(rb"[,\n][ \t\r\n]*(?=[\[{])")  # after a comma, or at a line start
+
+
+def _element_end(mm: Any, pos: int) -> tuple[int, str]:
+    """Where the array element starting at `pos` ends: (index of its terminating ',' or ']', "")
+    or (-1, why) when its structure does not close (an unterminated string or bracket)."""
+    depth = 0
+    while True:
+        m = _STRUCT.search(mm, pos)
+        if m is None:
+            return -1, "the array is not closed" if depth == 0 else "an unclosed bracket"
+        c, pos = m.group(), m.end()
+        if c == b'"':
+            s = _STRING_REST.match(mm, pos)
+            if s is None:
+                return -1, "an unterminated string"
+            pos = s.end()
+        elif c in b"[{":
+            depth += 1
+        elif depth == 0 and c in b",]":
+            return m.start(), ""
+        elif c in b"]}":
+            depth -= 1
+            if depth < 0:  # a stray closing bracket: the element is broken, its end is still findable
+                depth = 0
+
+
+def _resync(mm: Any, start: int, limit_end: int | None) -> tuple[int, int] | None:
+    """The first later element start (after a comma or a line break) whose element closes and parses: (its start, its end)."""
+    end_search = len(mm) if limit_end is None else limit_end
+    for tries, m in enumerate(_ELEMENT_START.finditer(mm, start + 1, end_search)):
+        if tries >= RESYNC_TRIES:
+            return None
+        candidate = m.end()
+        end, _ = _element_end(mm, candidate)
+        if end >= 0 and not parse_record(bytes(mm[candidate:end]), 0).error:
+            return candidate, end
+    return None
+
+
+def _json_array(path: Path, max_record_bytes: int) -> Iterator[Raw]:
+    """Elements of a top-level JSON array. A broken element is one reject; the reader resynchronizes at
+    the next element that parses, or, when none does, rejects the rest once, with its size and element count."""
+    with _mapped(path) as mm:
+        pos = _WS.match(mm, len(BOM) if mm[:len(BOM)] == BOM else 0).end()
+        if mm[pos:pos + 1] != b"[":
+            raise SourceError(f"{path}: a JSON source must be an array of records; {_describe_top(mm, pos)}")
+        pos += 1
+        n = 0
         while True:
-            while True:  # skip whitespace and one comma
-                while pos < len(buf) and buf[pos] in " \t\r\n":
-                    pos += 1
-                if pos < len(buf) or eof:
-                    break
-                more = f.read(CHUNK)
-                eof = not more
-                buf, pos = buf[pos:] + more, 0
-            if pos >= len(buf):
-                raise SourceError(f"{path}: JSON array is not closed (after record {n})")
-            if buf[pos] == "]":
+            pos = _WS.match(mm, pos).end()
+            if pos >= len(mm):
+                if n == 0:
+                    raise SourceError(f"{path}: the JSON array is not closed")
+                return  # a missing final ']' loses nothing
+            if mm[pos:pos + 1] == b"]":
                 return
-            if buf[pos] == "," and n:
+            if n and mm[pos:pos + 1] == b",":
                 pos += 1
                 continue
-            try:
-                value, end = dec.raw_decode(buf, pos)
-            except json.JSONDecodeError as e:
-                if not eof:
-                    more = f.read(CHUNK)
-                    eof = not more
-                    buf, pos = buf[pos:] + more, 0
-                    continue
-                raise SourceError(f"{path}: invalid JSON in record {n + 1}: {e.msg}; cannot resync an array") from None
+            start = pos
+            end, why = _element_end(mm, start)
             n += 1
-            yield Raw(n, value)
-            pos = end
-            if pos > CHUNK:
-                buf, pos = buf[pos:], 0
+            if end >= 0:
+                size = end - start
+                if size > max_record_bytes:
+                    yield _too_big(n, bytes(mm[start:start + RAW_PREFIX]), size, max_record_bytes)
+                    pos = end
+                    continue
+                raw = parse_record(bytes(mm[start:end]).rstrip(), n)
+                if not raw.error:
+                    yield raw
+                    pos = end
+                    continue
+                why = raw.error
+            found = _resync(mm, start, None if end < 0 else end)
+            if found is None and end >= 0:
+                yield Raw(n, error=why, raw=bytes(mm[start:min(end, start + RAW_PREFIX)]).rstrip(), size=end - start)
+                pos = end
+                continue
+            if found is None:  # nothing after it parses: the rest of the file is this one reject
+                rest = len(mm) - start
+                starts = 1 + sum(1 for _ in _ELEMENT_START.finditer(mm, start))
+                yield Raw(n, error=f"invalid JSON ({why}); cannot resync the array: skipped the remaining {rest} "
+                          f"bytes (about {starts} elements)", raw=bytes(mm[start:start + RAW_PREFIX]), size=rest)
+                return
+            resume, _ = found
+            yield Raw(n, error=f"invalid JSON ({why}); resynced {resume - start} bytes later",
+                      raw=bytes(mm[start:min(resume, start + RAW_PREFIX)]), size=resume - start)
+            pos = resume
 
 
-def _parquet(path: Path) -> Iterator[Raw]:
+def _describe_top(mm: Any, pos: int) -> str:
+    """What the file is instead of an array: an object's keys tell a person which file they picked."""
+    if mm[pos:pos + 1] == b"{":
+        end, _ = _element_end(mm, pos)
+        value = parse_record(bytes(mm[pos:end if end >= 0 else len(mm)]), 0).value
+        if isinstance(value, dict):
+            return f"this is one object with keys {_keys(value)} (expected records with {SHAPES})"
+    return f"it starts with {escaped(bytes(mm[pos:pos + 40]))!r}"
+
+
+def _keys(value: dict) -> str:
+    keys = sorted(map(str, value))
+    return ", ".join(keys[:12]) + (f" (+{len(keys) - 12} more)" if len(keys) > 12 else "") if keys else "none"
+
+
+# --- Parquet --------------------------------------------------------------------------------------
+
+
+def _parquet(path: Path, max_record_bytes: int) -> Iterator[Raw]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
+    try:
+        pf = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise SourceError(f"{path}: not a readable Parquet file: {e}") from None
+    columns = pf.schema_arrow.names
+    if not {"messages", "conversations", "prompt", "instruction"} & set(columns):
+        raise SourceError(f"{path}: no record in this Parquet file can be a prompt: columns {', '.join(columns) or 'none'}; "
+                          f"expected a column {SHAPES}")
     n = 0
-    pf = pq.ParquetFile(path)
-    for batch in pf.iter_batches(batch_size=4096):
-        for row in batch.to_pylist():
-            n += 1
-            yield Raw(n, row)
+    try:
+        for batch in pf.iter_batches(batch_size=1024):
+            for row in batch.to_pylist():
+                n += 1
+                yield Raw(n, row)
+    except (pa.ArrowException, OSError) as e:
+        raise SourceError(f"{path}: Parquet file unreadable after row {n}: {e}") from None
 
 
 READERS = {"jsonl": _jsonl, "json": _json_array, "parquet": _parquet}
+DEFAULT_MAX_RECORD_BYTES = 16 << 20
 
 
 @contextlib.contextmanager
@@ -124,26 +276,27 @@ def local_copy(source: str, cfg: Config) -> Iterator[Path]:
             raise SourceError(f"{source}: no such file")
         yield path
         return
-    from shared.store import KeyNotFound, Store, resolve_credentials
+    from shared.store import KeyNotFound, Store, StoreError, resolve_credentials
 
     bucket, _, key = source[len("s3://"):].partition("/")
     if not bucket or not key:
         raise SourceError(f"{source}: expected s3://bucket/key")
     store_cfg = msgspec.structs.replace(cfg.store, bucket=bucket, create_bucket=False)
-    store = Store(store_cfg, *resolve_credentials(cfg))
-    suffix = "".join(Path(key).suffixes[-1:])
-    fd, tmp = tempfile.mkstemp(prefix="dflash-feed-", suffix=suffix)
+    fd, tmp = tempfile.mkstemp(prefix="dflash-feed-", suffix="".join(Path(key).suffixes[-1:]))
     os.close(fd)
     try:
         try:
+            store = Store(store_cfg, *resolve_credentials(cfg))
             store.get_file(key, tmp, verify=False)  # a user's file carries no dflash checksum
         except KeyNotFound:
-            raise SourceError(f"{source}: no such object") from None
+            raise SourceError(f"{source}: no such object in bucket {bucket!r}") from None
+        except StoreError as e:
+            raise SourceError(f"{source}: bucket {bucket!r} at {cfg.store.endpoint}: {e}") from None
         yield Path(tmp)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
 
 
-def read_records(path: Path, fmt: str | None = None) -> Iterator[Raw]:
-    return READERS[fmt or detect_format(path)](path)
+def read_records(path: Path, fmt: str | None = None, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> Iterator[Raw]:
+    return READERS[fmt or detect_format(path)](path, max_record_bytes)
