@@ -254,9 +254,9 @@ class Feeder:
         for raw in read_records(path, max_record_bytes=self.cfg.feeder.max_record_bytes):
             read += 1
             s.read += 1
-            if read == FOREIGN_SAMPLE:
-                self._check_not_foreign(batch.source, foreign_keys, read - 1)
-            if read >= FOREIGN_SAMPLE and len(batch.rejects) >= BATCH:
+            if read == FOREIGN_SAMPLE + 1:  # the sample is complete: decide before the next record
+                self._check_not_foreign(batch.source, foreign_keys, FOREIGN_SAMPLE)
+            if read > FOREIGN_SAMPLE and len(batch.rejects) >= BATCH:
                 batch.write_rejects()
             if raw.blank:
                 s.blank += 1
@@ -280,7 +280,7 @@ class Feeder:
             self._seen.add(digest)
             await batch.add(raw, msgs, pid)
         await batch.flush()
-        if read < FOREIGN_SAMPLE:
+        if read <= FOREIGN_SAMPLE:
             self._check_not_foreign(batch.source, foreign_keys, read)
         batch.write_rejects()
 

@@ -28,6 +28,7 @@ import msgspec
 from shared.config import Config
 
 BOM = b"\xef\xbb\xbf"
+JSON_WS = b" \t\r\n"  # RFC 8259's whitespace (bytes.strip() would also take \x0b and \x0c)
 RAW_PREFIX = 200  # bytes of a rejected record kept in rejects.jsonl (escaped)
 RESYNC_TRIES = 1000  # candidate element starts tried after a broken JSON array element
 SHAPES = "messages (OpenAI), conversations (ShareGPT), prompt (plain) or instruction (Alpaca)"
@@ -122,7 +123,7 @@ def _jsonl(path: Path, max_record_bytes: int) -> Iterator[Raw]:
                 yield _too_big(n, mm[pos:pos + RAW_PREFIX], size, max_record_bytes)
             else:
                 line = mm[pos:end].rstrip(b"\r")
-                yield Raw(n, blank=True) if not line.strip() else parse_record(line, n)
+                yield Raw(n, blank=True) if not line.strip(JSON_WS) else parse_record(line, n)
             pos = end + 1
 
 
@@ -150,21 +151,36 @@ def _element_end(mm: Any, pos: int) -> tuple[int, str]:
             pos = s.end()
         elif c in b"[{":
             depth += 1
-        elif depth == 0 and c in b",]":
-            return m.start(), ""
+        elif depth == 0 and (c == b"," or (c == b"]" and _WS.match(mm, pos).end() == len(mm))):
+            return m.start(), ""  # a ']' ends the array only when nothing but whitespace follows it
         elif c in b"]}":
             depth -= 1
             if depth < 0:  # a stray closing bracket: the element is broken, its end is still findable
                 depth = 0
 
 
-def _resync(mm: Any, start: int, limit_end: int | None) -> tuple[int, int] | None:
-    """The first later element start (after a comma or a line break) whose element closes and parses: (its start, its end)."""
-    end_search = len(mm) if limit_end is None else limit_end
-    for tries, m in enumerate(_ELEMENT_START.finditer(mm, start + 1, end_search)):
+def _indent(mm: Any, pos: int) -> int | None:
+    """The column of `pos` when only whitespace precedes it on its line, else None."""
+    line_start = mm.rfind(b"\n", 0, pos) + 1
+    return pos - line_start if _WS.match(mm, line_start).end() >= pos else None
+
+
+def _resync(mm: Any, start: int, stop: int | None) -> tuple[int, int] | None:
+    """The first later element start whose element closes and parses: (its start, its end).
+
+    Inside a broken element whose end was found (`stop`), only a line start indented no deeper than
+    the broken element counts (a pretty-printed array's next element; never one of its own nested
+    objects). Past a break that never closes, a start after any comma counts too."""
+    indent = _indent(mm, start)
+    for tries, m in enumerate(_ELEMENT_START.finditer(mm, start + 1, len(mm) if stop is None else stop)):
         if tries >= RESYNC_TRIES:
             return None
         candidate = m.end()
+        column = _indent(mm, candidate)
+        if column is None and stop is not None:
+            continue
+        if column is not None and indent is not None and column > indent:
+            continue
         end, _ = _element_end(mm, candidate)
         if end >= 0 and not parse_record(bytes(mm[candidate:end]), 0).error:
             return candidate, end
@@ -186,7 +202,7 @@ def _json_array(path: Path, max_record_bytes: int) -> Iterator[Raw]:
                 if n == 0:
                     raise SourceError(f"{path}: the JSON array is not closed")
                 return  # a missing final ']' loses nothing
-            if mm[pos:pos + 1] == b"]":
+            if mm[pos:pos + 1] == b"]" and _WS.match(mm, pos + 1).end() == len(mm):
                 return
             if n and mm[pos:pos + 1] == b",":
                 pos += 1
