@@ -44,6 +44,23 @@ def streamlit_argv(host: str, port: int, run: str | None, config: str | None) ->
     return argv
 
 
+def _run_note(cfg: Any) -> str:
+    """One line when the run to show is not on the bus yet; the page still serves and shows it once it starts."""
+    import asyncio
+
+    from shared.bus import Bus
+
+    async def check() -> str:
+        async with await Bus.connect(cfg.bus, "dashboard-cli", deadline_s=5) as bus:
+            return await bus.run_missing(cfg.run)
+
+    try:
+        missing = asyncio.run(check())
+    except ConnectionError as e:
+        return f"{e}; the page keeps retrying"
+    return f"{missing}; the page shows it once it starts" if missing else ""
+
+
 def _dashboard(args: argparse.Namespace) -> int:
     from shared.cli import load
 
@@ -57,6 +74,8 @@ def _dashboard(args: argparse.Namespace) -> int:
     root = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
     print(f"dashboard on http://{host}:{port} (NATS {cfg.bus.url}, S3 {cfg.store.endpoint})", flush=True)
+    if args.run and (note := _run_note(cfg)):
+        print(f"dfpipe dashboard: {note}", flush=True)
     proc = subprocess.Popen(streamlit_argv(host, port, args.run, args.config), env=env)
     signal.signal(signal.SIGTERM, lambda *_: proc.terminate())  # stop the server with us
     try:

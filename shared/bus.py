@@ -306,7 +306,9 @@ class Bus:
     ) -> AsyncIterator[tuple[int, Any]]:
         """Every message on `subject` from `from_seq` up to the stream's end *now*, in order.
 
-        Yields (stream_seq, decoded message). Used to re-run a stage from the shard log.
+        Yields (stream_seq, decoded message). Used to re-run a stage from the shard log. A message this build
+        cannot decode (a newer schema version, garbage) is skipped with a warning naming why: a reader that
+        raised on it would fail the same way at every restart.
         """
         end = await self.last_seq(stream)
         seq = max(1, from_seq)
@@ -317,8 +319,13 @@ class Bus:
                 return
             if raw.seq is None or raw.seq > end:
                 return
-            yield raw.seq, decode(raw.data, type) if type is not None else decode(raw.data)
             seq = raw.seq + 1
+            try:
+                msg = decode(raw.data, type) if type is not None else decode(raw.data)
+            except MessageError as e:
+                log.warning("%s seq %d skipped: %s", stream, raw.seq, e)
+                continue
+            yield raw.seq, msg
 
     async def latest_per_subject(self, stream: str, subject: str, *, timeout_s: float = 2.0) -> list[tuple[int, Any]]:
         """The last message of every subject matching `subject` (a wildcard), e.g. each worker's progress."""
@@ -342,6 +349,20 @@ class Bus:
         finally:
             await sub.unsubscribe()
         return out
+
+    async def run_missing(self, run: str) -> str:
+        """"" when `run` has left anything on the bus; else one line saying why not, for read-only commands
+        (status, eval, drops, replay, dashboard) to print instead of a NotFoundError from deep inside."""
+        try:
+            await self.js.stream_info("PROGRESS")
+        except nats.js.errors.NotFoundError:
+            return (f"no run {run!r}: this stack has no dflash-pipeline streams yet (nothing was fed or started "
+                    f"on NATS at {self.cfg.url})")
+        for spec in streams(self.cfg):  # one direct lookup per stream: cost independent of the run's size
+            with contextlib.suppress(nats.js.errors.NotFoundError):
+                await self.js.get_last_msg(spec.name, f"dflash.{run}.>")
+                return ""
+        return f"no run {run!r} on this stack: nothing was fed to it and no service reported for it (check the name)"
 
     # --- dead letters ---------------------------------------------------------------------------
 

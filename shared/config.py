@@ -242,7 +242,7 @@ def _env_overrides(env: dict[str, str]) -> list[tuple[str, tuple[str, ...], Any]
     return out
 
 
-def _describe(err: msgspec.ValidationError, source: str) -> str:
+def _describe(err: msgspec.ValidationError, source: str, toml_text: str = "") -> str:
     # msgspec says e.g. "Object contains unknown field `x` - at `$.bus`" or "Expected `int`, got `str` - at `$.bus.port`"
     text = str(err)
     msg, _, where = text.partition(" - at `")
@@ -250,8 +250,29 @@ def _describe(err: msgspec.ValidationError, source: str) -> str:
     if msg.startswith("Object contains unknown field"):
         field = msg.split("`")[1]
         key = f"{where}.{field}" if where else field
-        return f"{source}: unknown config key {key!r}"
-    return f"{source}: config key {where or '(root)'!r}: {msg}"
+        return f"{source}{_line_of(toml_text, key)}: unknown config key {key!r}"
+    return f"{source}{_line_of(toml_text, where)}: config key {where or '(root)'!r}: {msg}"
+
+
+def _line_of(toml_text: str, key: str) -> str:
+    """", line N" where `key` (dotted: section.name) is set in the TOML text, or "" when not found."""
+    if not toml_text or not key:
+        return ""
+    section, _, name = key.rpartition(".")
+    current = ""
+    for n, line in enumerate(toml_text.splitlines(), 1):
+        stripped = line.strip()
+        if stripped.startswith("["):
+            current = stripped.split("]")[0].lstrip("[").strip()
+            if current == key:  # an unknown section
+                return f", line {n}"
+            continue
+        if "=" not in stripped:
+            continue
+        lhs = stripped.split("=", 1)[0].strip().strip('"')
+        if (current, lhs) == (section, name) or (not current and lhs == key):  # key = v, or a dotted a.b = v
+            return f", line {n}"
+    return ""
 
 
 def load_config(path: str | os.PathLike[str] | None = None, env: dict[str, str] | None = None) -> Config:
@@ -262,17 +283,21 @@ def load_config(path: str | os.PathLike[str] | None = None, env: dict[str, str] 
     source = "defaults"
     if path:
         p = Path(path)
+        toml_text = ""
         try:
-            tree = tomllib.loads(p.read_text())
+            toml_text = p.read_text()
+            tree = tomllib.loads(toml_text)
         except FileNotFoundError:
             raise ConfigError(f"config file {p} does not exist") from None
-        except tomllib.TOMLDecodeError as e:
+        except tomllib.TOMLDecodeError as e:  # its message names the line and column
             raise ConfigError(f"config file {p} is not valid TOML: {e}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {p} is not UTF-8 text (byte {e.start})") from None
         source = str(p)
         try:
             msgspec.convert(tree, Config)
         except msgspec.ValidationError as e:
-            raise ConfigError(_describe(e, source)) from None
+            raise ConfigError(_describe(e, source, toml_text)) from None
     for name, key_path, value in _env_overrides(env):
         _set(tree, key_path, value)
         try:

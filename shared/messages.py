@@ -220,6 +220,14 @@ class MessageError(ValueError):
     """A payload that is not a valid dflash-pipeline message of the expected type."""
 
 
+class NewerSchema(MessageError):
+    """A message from a newer build (`v` above SCHEMA_VERSION): skipped by log readers, dead-lettered by workers."""
+
+    def __init__(self, version: int) -> None:
+        self.version = version
+        super().__init__(f"message schema v{version} is newer than this build's v{SCHEMA_VERSION}: upgrade dflash-pipeline")
+
+
 _encoder = msgspec.msgpack.Encoder()
 _decoders: dict[Any, msgspec.msgpack.Decoder] = {}
 
@@ -238,16 +246,14 @@ def decode(data: bytes, type: Any = AnyMessage) -> Any:
     except msgspec.ValidationError as e:
         raw = _peek(data)
         if isinstance(raw, dict) and isinstance(raw.get("v"), int) and raw["v"] > SCHEMA_VERSION:
-            raise MessageError(
-                f"message schema v{raw['v']} is newer than this build's v{SCHEMA_VERSION}: upgrade dflash-pipeline"
-            ) from None
+            raise NewerSchema(raw["v"]) from None
         if isinstance(raw, dict) and "type" in raw:
             raise MessageError(f"invalid {raw['type']!r} message: {e}") from None
         raise MessageError(f"not a dflash-pipeline message ({e})") from None
     except msgspec.DecodeError as e:
         raise MessageError(f"not a dflash-pipeline message: payload of {len(data)} bytes is not msgpack ({e})") from None
     if msg.v > SCHEMA_VERSION:
-        raise MessageError(f"message schema v{msg.v} is newer than this build's v{SCHEMA_VERSION}: upgrade dflash-pipeline")
+        raise NewerSchema(msg.v)
     return msg
 
 

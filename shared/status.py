@@ -290,11 +290,16 @@ def format_status(st: RunStatus) -> str:
 
 
 async def _status(args: argparse.Namespace) -> int:
+    import sys
+
     from shared.cli import load
 
     cfg = load(args)
     store = await asyncio.to_thread(Store.open, cfg, ensure_bucket=False)
     async with await Bus.connect(cfg.bus, "status", deadline_s=10) as bus:
+        if missing := await bus.run_missing(cfg.run):
+            print(f"dfpipe status: {missing}", file=sys.stderr)
+            return 2
         st = await run_status(cfg, bus, store)
     print(msgspec.json.encode(st).decode() if args.json else format_status(st))
     return 1 if any(a.severity == "critical" for a in st.alerts) else 0

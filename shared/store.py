@@ -171,7 +171,8 @@ class Store:
             except S3Error as e:
                 if e.code in _AUTH_CODES:
                     raise StoreAuthError(
-                        f"S3 at {self.endpoint} refused {what}: {e.code} (check AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY)"
+                        f"S3 at {self.endpoint} refused {what} in bucket {self.bucket!r}: {e.code} "
+                        "(check AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY)"
                     ) from None
                 if e.code == "NoSuchBucket":
                     raise StoreMisconfigured(

@@ -304,14 +304,25 @@ def local_copy(source: str, cfg: Config) -> Iterator[Path]:
         try:
             store = Store(store_cfg, *resolve_credentials(cfg))
             store.get_file(key, tmp, verify=False)  # a user's file carries no dflash checksum
+            # A missing bucket reads as a missing object (a HEAD has no error code): ping tells them apart.
         except KeyNotFound:
+            _check_bucket(store, source)
             raise SourceError(f"{source}: no such object in bucket {bucket!r}") from None
         except StoreError as e:
-            raise SourceError(f"{source}: bucket {bucket!r} at {cfg.store.endpoint}: {e}") from None
+            raise SourceError(f"{source}: {e}") from None  # the store's errors name the bucket
         yield Path(tmp)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+
+
+def _check_bucket(store: Any, source: str) -> None:
+    from shared.store import StoreError
+
+    try:
+        store.ping()
+    except StoreError as e:
+        raise SourceError(f"{source}: {e}") from None
 
 
 def read_records(path: Path, fmt: str | None = None, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> Iterator[Raw]:

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import os
 import socket
+import sys
 from typing import Any
 
 import msgspec
@@ -40,17 +41,24 @@ async def _replay(args: argparse.Namespace) -> int:
     from shared.cli import load
     from shared.messages import PromptTask, Subjects
     from shared.records import read_completions
-    from shared.store import Store
+    from shared.store import KeyNotFound, Store
 
     cfg = load(args)
     async with await Bus.connect(cfg.bus, "replay", deadline_s=30) as bus:
+        if missing := await bus.run_missing(cfg.run):
+            print(f"dfpipe replay generate: {missing}", file=sys.stderr)
+            return 2
         await bus.ensure_streams()
         if args.failed:
             n = await bus.replay_dead_letters(cfg.run, "generate")
             print(f"re-published {n} dead-lettered prompt(s) of run {cfg.run}")
             return 0
         store = await asyncio.to_thread(Store.open, cfg)
-        records = read_completions(await asyncio.to_thread(store.get_bytes, args.shard))
+        try:
+            records = read_completions(await asyncio.to_thread(store.get_bytes, args.shard))
+        except KeyNotFound:
+            print(f"dfpipe replay generate: no shard {args.shard!r} in bucket {store.bucket!r}", file=sys.stderr)
+            return 2
         generation = 1 + max((r.generation for r in records), default=0)
         tasks = [PromptTask(run=cfg.run, prompt_id=r.prompt_id, messages=r.messages, source=args.shard,
                             generation=generation) for r in records]

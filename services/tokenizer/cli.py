@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 from typing import Any
 
 
@@ -20,6 +21,10 @@ def _config(args: argparse.Namespace) -> Any:
     return cfg
 
 
+def _template_name(cfg: Any) -> str:
+    return f"{cfg.tokenizer.chat_template_file} " if cfg.tokenizer.chat_template_file else ""
+
+
 def _tokenize(args: argparse.Namespace) -> int:
     from .render import TemplateError
     from .service import run_service
@@ -28,7 +33,7 @@ def _tokenize(args: argparse.Namespace) -> int:
     try:
         service = asyncio.run(run_service(cfg, worker=args.worker, burst=args.burst))
     except TemplateError as e:
-        print(f"dfpipe tokenize: the chat template cannot give exact loss masks: {e}")
+        print(f"dfpipe tokenize: the chat template {_template_name(cfg)}cannot give exact loss masks: {e}")
         return 2
     c = service.counts
     print(f"run {cfg.run} [template {service.fingerprint}]: {c.shards} shards, {c.samples_kept}/{c.samples_in} "
@@ -53,6 +58,9 @@ async def _replay_async(cfg: Any, from_seq: int) -> Any:
     tok = await asyncio.to_thread(load_target_tokenizer, cfg)
     store = await asyncio.to_thread(Store.open, cfg)
     async with await Bus.connect(cfg.bus, "tokenizer-replay", deadline_s=30) as bus:
+        if missing := await bus.run_missing(cfg.run):
+            print(f"dfpipe replay tokenize: {missing}", file=sys.stderr)
+            raise SystemExit(2)
         await bus.ensure_streams()
         return await replay_tokenize(cfg, bus, store, tok, from_seq=from_seq)
 
@@ -64,7 +72,7 @@ def _replay(args: argparse.Namespace) -> int:
     try:
         s = asyncio.run(_replay_async(cfg, args.from_seq))
     except TemplateError as e:
-        print(f"dfpipe replay tokenize: the chat template cannot give exact loss masks: {e}")
+        print(f"dfpipe replay tokenize: the chat template {_template_name(cfg)}cannot give exact loss masks: {e}")
         return 2
     print(f"run {cfg.run}: replayed {s.shards} shards from seq {args.from_seq} under template {s.fingerprint}: "
           f"{s.written} written, {s.already_present} already present (unchanged), {len(s.failed)} failed")
@@ -75,6 +83,13 @@ def _replay(args: argparse.Namespace) -> int:
         print(f"QUALITY GATE TRIPPED: {s.gate}")
         return 3
     return 1 if s.failed else 0
+
+
+async def _run_missing(cfg: Any) -> str:
+    from shared.bus import Bus
+
+    async with await Bus.connect(cfg.bus, "drops", deadline_s=10) as bus:
+        return await bus.run_missing(cfg.run)
 
 
 def _drops(args: argparse.Namespace) -> int:
@@ -88,7 +103,10 @@ def _drops(args: argparse.Namespace) -> int:
     from shared.store import Store
 
     cfg = load(args)
-    store = Store.open(cfg)
+    store = Store.open(cfg, ensure_bucket=False)
+    if missing := asyncio.run(_run_missing(cfg)):
+        print(f"dfpipe drops: {missing}", file=sys.stderr)
+        return 2
     prefix = f"runs/{cfg.run}/tokenized/" + (f"{args.fingerprint}/" if args.fingerprint else "")
     keys = [k for k in store.list(prefix) if "/drops/" in k and k.endswith(".jsonl")]
     counts: Counter[tuple[str, str]] = Counter()

@@ -117,7 +117,13 @@ class ChatRenderer:
                 "cannot find the end of the assistant turn"
             )
         self._layouts: dict[tuple[Any, ...], Layout] = {}
-        self.probe()
+        try:
+            self.probe()
+        except TemplateError:
+            raise
+        except Exception as e:  # the template is user code: one that does not compile or raises on a plain chat
+            line = f" at line {e.lineno}" if isinstance(getattr(e, "lineno", None), int) else ""
+            raise TemplateError(f"the chat template fails on a plain conversation{line}: {type(e).__name__}: {e}") from None
 
     # --- rendering ------------------------------------------------------------------------------
 

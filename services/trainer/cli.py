@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import os
+import sys
 from typing import Any
 
 
@@ -36,6 +37,9 @@ async def _eval_async(cfg: Any, limit: int | None) -> dict:
 
     store = await asyncio.to_thread(Store.open, cfg)
     async with await Bus.connect(cfg.bus, "eval", deadline_s=30) as bus:
+        if missing := await bus.run_missing(cfg.run):
+            print(f"dfpipe eval: {missing}", file=sys.stderr)
+            raise SystemExit(2)
         keys = await shard_keys(bus, cfg.run)
         held = await asyncio.to_thread(load_samples, store, keys, holdout_mod=cfg.trainer.holdout_mod, train=False)
         prompts = [prompt_part(s) for s in held][: limit or cfg.trainer.eval_prompts]
