@@ -197,6 +197,16 @@ def test_feed_cli_exit_codes_for_a_refused_source(stack, stack_env, store, tmp_p
                                            r.stderr), r.stderr
 
 
+def test_run_refuses_a_missing_bucket_before_starting_anything(stack, stack_env, store) -> None:
+    run = new_run()
+    r = cli(stack_env, "run", "--run", run, "--prompts", "s3://no-such-bucket/prompts.jsonl", "--plain", "--no-dashboard")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.strip().splitlines() == [
+        "dfpipe run: s3://no-such-bucket/prompts.jsonl: bucket 'no-such-bucket' does not exist at "
+        f"{stack.s3_endpoint} (create it, or set store.create_bucket)"]
+    assert not list(store.list(f"runs/{run}/"))  # nothing started: no feeder crash loop
+
+
 # --- read-only commands on a run or a stack that does not exist -------------------------------------
 
 

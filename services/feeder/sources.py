@@ -283,33 +283,55 @@ READERS = {"jsonl": _jsonl, "json": _json_array, "parquet": _parquet}
 DEFAULT_MAX_RECORD_BYTES = 16 << 20
 
 
-@contextlib.contextmanager
-def local_copy(source: str, cfg: Config) -> Iterator[Path]:
-    """A local path for `source`; an `s3://bucket/key` source is downloaded to a temp file first."""
-    if not source.startswith("s3://"):
-        path = Path(source)
-        if not path.is_file():
-            raise SourceError(f"{source}: no such file")
-        yield path
-        return
-    from shared.store import KeyNotFound, Store, StoreError, resolve_credentials
+def _s3_source(source: str, cfg: Config) -> tuple[Any, str]:
+    """(a Store on the source's bucket, the key), or SourceError for a malformed URI."""
+    from shared.store import Store, StoreError, resolve_credentials
 
     bucket, _, key = source[len("s3://"):].partition("/")
     if not bucket or not key:
         raise SourceError(f"{source}: expected s3://bucket/key")
-    store_cfg = msgspec.structs.replace(cfg.store, bucket=bucket, create_bucket=False)
+    try:
+        return Store(msgspec.structs.replace(cfg.store, bucket=bucket, create_bucket=False), *resolve_credentials(cfg)), key
+    except StoreError as e:
+        raise SourceError(f"{source}: {e}") from None
+
+
+def check_source(source: str, cfg: Config) -> None:
+    """Raise SourceError unless `source` exists and can be read (an S3 object is stat'ed, not downloaded):
+    `dfpipe run` checks its prompt sources with this before it starts any service."""
+    if not source.startswith("s3://"):
+        if not Path(source).is_file():
+            raise SourceError(f"{source}: no such file")
+        return
+    from shared.store import StoreError
+
+    store, key = _s3_source(source, cfg)
+    try:
+        found = store.stat(key)
+    except StoreError as e:
+        raise SourceError(f"{source}: {e}") from None  # the store's errors name the bucket
+    if found is None:
+        _check_bucket(store, source)  # a missing bucket reads as a missing object (a HEAD has no error code)
+        raise SourceError(f"{source}: no such object in bucket {store.bucket!r}")
+
+
+@contextlib.contextmanager
+def local_copy(source: str, cfg: Config) -> Iterator[Path]:
+    """A local path for `source`; an `s3://bucket/key` source is downloaded to a temp file first."""
+    check_source(source, cfg)
+    if not source.startswith("s3://"):
+        yield Path(source)
+        return
+    from shared.store import StoreError
+
+    store, key = _s3_source(source, cfg)
     fd, tmp = tempfile.mkstemp(prefix="dflash-feed-", suffix="".join(Path(key).suffixes[-1:]))
     os.close(fd)
     try:
         try:
-            store = Store(store_cfg, *resolve_credentials(cfg))
             store.get_file(key, tmp, verify=False)  # a user's file carries no dflash checksum
-            # A missing bucket reads as a missing object (a HEAD has no error code): ping tells them apart.
-        except KeyNotFound:
-            _check_bucket(store, source)
-            raise SourceError(f"{source}: no such object in bucket {bucket!r}") from None
         except StoreError as e:
-            raise SourceError(f"{source}: {e}") from None  # the store's errors name the bucket
+            raise SourceError(f"{source}: {e}") from None
         yield Path(tmp)
     finally:
         with contextlib.suppress(FileNotFoundError):

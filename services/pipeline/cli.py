@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import sys
 from typing import Any
 
 
@@ -18,6 +19,7 @@ def _gpus(value: str) -> list[int]:
 def _run(args: argparse.Namespace) -> int:
     import msgspec
 
+    from services.feeder.sources import SourceError, check_source
     from shared.cli import load
     from shared.config import load_config
     from shared.messages import check_name
@@ -36,6 +38,12 @@ def _run(args: argparse.Namespace) -> int:
         env["DFLASH_DATA_DIR"] = str(stack.root)
     cfg = load(args)
     cfg = msgspec.structs.replace(cfg, run=check_name("run", args.run))
+    for source in args.prompts or []:  # a missing file or bucket, refused credentials: said now, not as a crash loop
+        try:
+            check_source(source, cfg)
+        except SourceError as e:
+            print(f"dfpipe run: {e}", file=sys.stderr)
+            return 2
     env["DFLASH_RUN"] = cfg.run
     if args.config:
         env["DFLASH_CONFIG"] = os.path.abspath(args.config)
