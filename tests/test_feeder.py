@@ -158,6 +158,10 @@ def test_json_array_resyncs_after_a_bad_element_and_counts_what_it_cannot(tmp_pa
     assert [r.value for r in got if not r.error] == [{"prompt": p} for p in ("one", "three", "five", "six")]
     assert "invalid JSON" in got[1].error and got[1].raw == b'{"prompt": tru}'
     assert "resynced" in got[3].error and got[3].raw.startswith(b'{"prompt": "cut sh')
+    # Parquet converted from a Windows CSV: a BOM on the first column's name, CRLF inside the text
+    pq.write_table(pa.Table.from_pylist([{"\ufeffprompt": "line one\r\nline two", "id": 1}]), tmp_path / "p.parquet")
+    (row,) = list(read_records(tmp_path / "p.parquet"))
+    assert normalize(row.value)[0].content == "line one\nline two"
     # a break nothing after which parses: one reject for the rest, saying how much it was
     src.write_text('[{"prompt": "one"}, {"prompt": "two\\", ' + ", ".join(['{"prompt": "x\\"}'] * 5))
     got = list(read_records(src))

@@ -95,14 +95,9 @@ class TokenCounter:
         return sum(len(m.content.encode()) + 1 for m in conv) + self.PER_TURN * len(conv)
 
     def count(self, convs: list[list[ChatMessage]], limit: int) -> list[int]:
-        """Token counts, exact where the limit falls between the bounds; a lower bound over `limit` is returned
-        as it is (untokenized: a 100 MB prompt costs its byte count, not a tokenization), the rest get their upper bound."""
+        """Token counts, exact where the bound could exceed `limit` (the rest get their upper bound)."""
         bounds = [self.upper_bound(c) for c in convs]
-        for i, c in enumerate(convs):
-            if bounds[i] > limit and (low := self.lower_bound(c)) > limit:
-                bounds[i] = low
-        todo = [i for i, (b, c) in enumerate(zip(bounds, convs, strict=True))
-                if b > limit and b == self.upper_bound(c)]
+        todo = [i for i, b in enumerate(bounds) if b > limit]
         if not todo:
             return bounds
         exact = self._exact([convs[i] for i in todo])
@@ -249,7 +244,7 @@ class Feeder:
 
     async def _read(self, batch: _SourceBatch, path: Path) -> None:
         s = self.summary
-        foreign_keys: set[str] = set()  # "" once any record is not a foreign one
+        foreign_keys: set[str] = set()  # keys of the sample's foreign records; "" once one record is not foreign
         read = 0
         for raw in read_records(path, max_record_bytes=self.cfg.feeder.max_record_bytes):
             read += 1
@@ -268,7 +263,8 @@ class Feeder:
             try:
                 msgs = normalize(raw.value)
             except RejectedRecord as e:
-                foreign_keys.update((e.keys or [""]) if isinstance(e, UnknownShape) else [""])
+                if read <= FOREIGN_SAMPLE:
+                    foreign_keys.update((e.keys or [""]) if isinstance(e, UnknownShape) else [""])
                 self._reject(batch.rejects, batch.source, raw, str(e))
                 continue
             foreign_keys.add("")

@@ -265,7 +265,9 @@ def _parquet(path: Path, max_record_bytes: int) -> Iterator[Raw]:
         pf = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as e:
         raise SourceError(f"{path}: not a readable Parquet file: {e}") from None
-    columns = pf.schema_arrow.names
+    # A column name with a BOM (a CSV export converted to Parquet) is the name without it.
+    columns = [name.removeprefix("\ufeff") for name in pf.schema_arrow.names]
+    renamed = dict(zip(pf.schema_arrow.names, columns, strict=True)) if columns != pf.schema_arrow.names else None
     if not {"messages", "conversations", "prompt", "instruction"} & set(columns):
         raise SourceError(f"{path}: no record in this Parquet file can be a prompt: columns {', '.join(columns) or 'none'}; "
                           f"expected a column {SHAPES}")
@@ -274,7 +276,7 @@ def _parquet(path: Path, max_record_bytes: int) -> Iterator[Raw]:
         for batch in pf.iter_batches(batch_size=1024):
             for row in batch.to_pylist():
                 n += 1
-                yield Raw(n, row)
+                yield Raw(n, {renamed[k]: v for k, v in row.items()} if renamed else row)
     except (pa.ArrowException, OSError) as e:
         raise SourceError(f"{path}: Parquet file unreadable after row {n}: {e}") from None
 
