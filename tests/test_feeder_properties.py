@@ -253,8 +253,11 @@ def feed_file(stack, path: Path):
             summary = await Feeder(cfg, bus, store).feed([str(path)])
             again = await Feeder(cfg, bus, store).feed([str(path)])
             tasks = [t async for _, t in bus.replay("PROMPTS", Subjects.prompts(cfg.run), 1, PromptTask)]
-            key = Keys.rejects(cfg.run)
-            rejects = [json.loads(x) for x in store.get_bytes(key).splitlines()] if store.exists(key) else []
+            rejects = [json.loads(x) for x in store.get_bytes(Keys.rejects(cfg.run)).splitlines()]  # always written
+            manifest = json.loads(store.get_bytes(Keys.manifest(cfg.run)))
+            entry = manifest["sources"][str(path)]
+            assert entry["read"] == entry["accepted"] + entry["duplicates"] + entry["rejected"] + entry["blank"]
+            assert entry["read"] == (0 if summary.refused else summary.read)
             return summary, again, tasks, rejects
         finally:
             await bus.close()

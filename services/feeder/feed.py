@@ -338,9 +338,8 @@ class Feeder:
             old = self.store.get_bytes(key)
             kept = b"".join(line + b"\n" for line in old.splitlines()
                             if line.strip() and dec.decode(line).get("source") not in sources)
-        data = kept + new.read_bytes()
-        if data or self.store.exists(key):
-            self.store.put_bytes(key, data, "application/x-ndjson")
+        # Written on every feed, empty when nothing was rejected: the manifest's rejects_key always exists.
+        self.store.put_bytes(key, kept + new.read_bytes(), "application/x-ndjson")
 
     def _write_manifest(self) -> None:
         """Per-source counts (a re-feed of a source replaces its entry), totals over all sources."""
