@@ -135,6 +135,29 @@ _STRING_REST = re.compile(rb'(?:[^"\\]|\\.)*"', re.S)  # after an opening quote:
 _ELEMENT_START = re.compile(rb"[,\n][ \t\r\n]*(?=[\[{])")  # after a comma, or at a line start
 
 
+_CLOSE = re.compile(rb"[}\]][ \t\r\n]*[,\]]")  # a closing bracket, then the next separator
+FAST_TRIES = 4
+
+
+def _fast_element(mm: Any, start: int, max_record_bytes: int) -> tuple[int, Any] | None:
+    """The element at `start` as (index of its ',' or final ']', value) when it is valid JSON closing at one
+    of the next few closing brackets; None sends the caller to the structural scan. A piece that decodes
+    is exactly one JSON value, so it ends where the structural scan would end it: this only saves the scan."""
+    pos = start
+    for _ in range(FAST_TRIES):
+        m = _CLOSE.search(mm, pos)
+        if m is None or m.start() + 1 - start > max_record_bytes:
+            return None
+        pos, sep = m.start() + 1, m.end() - 1
+        if mm[sep:sep + 1] == b"]" and _WS.match(mm, sep + 1).end() != len(mm):
+            continue  # a ']' that does not end the file closes a nested list
+        try:
+            return sep, _decoder.decode(mm[start:pos])
+        except (msgspec.DecodeError, UnicodeDecodeError):
+            continue
+    return None
+
+
 def _element_end(mm: Any, pos: int) -> tuple[int, str]:
     """Where the array element starting at `pos` ends: (index of its terminating ',' or ']', "")
     or (-1, why) when its structure does not close (an unterminated string or bracket)."""
@@ -208,8 +231,12 @@ def _json_array(path: Path, max_record_bytes: int) -> Iterator[Raw]:
                 pos += 1
                 continue
             start = pos
-            end, why = _element_end(mm, start)
             n += 1
+            if (fast := _fast_element(mm, start, max_record_bytes)) is not None:
+                pos, value = fast
+                yield Raw(n, value, size=pos - start)
+                continue
+            end, why = _element_end(mm, start)
             if end >= 0:
                 size = end - start
                 if size > max_record_bytes:
