@@ -158,17 +158,20 @@ def _fast_element(mm: Any, start: int, max_record_bytes: int) -> tuple[int, Any]
     return None
 
 
-def _element_end(mm: Any, pos: int) -> tuple[int, str]:
+def _element_end(mm: Any, pos: int, limit: int | None = None) -> tuple[int, str]:
     """Where the array element starting at `pos` ends: (index of its terminating ',' or ']', "")
-    or (-1, why) when its structure does not close (an unterminated string or bracket)."""
+    or (-1, why) when its structure does not close (an unterminated string or bracket), or not within `limit` bytes."""
     depth = 0
+    stop = len(mm) if limit is None else min(len(mm), pos + limit)
     while True:
-        m = _STRUCT.search(mm, pos)
+        m = _STRUCT.search(mm, pos, stop)
+        if m is None and stop < len(mm):
+            return -1, f"no element end within {limit} bytes"
         if m is None:
             return -1, "the array is not closed" if depth == 0 else "an unclosed bracket"
         c, pos = m.group(), m.end()
         if c == b'"':
-            s = _STRING_REST.match(mm, pos)
+            s = _STRING_REST.match(mm, pos, stop)
             if s is None:
                 return -1, "an unterminated string"
             pos = s.end()
@@ -184,11 +187,15 @@ def _element_end(mm: Any, pos: int) -> tuple[int, str]:
 
 def _indent(mm: Any, pos: int) -> int | None:
     """The column of `pos` when only whitespace precedes it on its line, else None."""
-    line_start = mm.rfind(b"\n", 0, pos) + 1
-    return pos - line_start if _WS.match(mm, line_start).end() >= pos else None
+    window = max(0, pos - 4096)  # a minified file is one long line: never search back over all of it
+    newline = mm.rfind(b"\n", window, pos)
+    if newline < 0 and window > 0:
+        return None
+    line_start = newline + 1
+    return pos - line_start if _WS.match(mm, line_start, pos).end() >= pos else None
 
 
-def _resync(mm: Any, start: int, stop: int | None) -> tuple[int, int] | None:
+def _resync(mm: Any, start: int, stop: int | None, limit: int) -> tuple[int, int] | None:
     """The first later element start whose element closes and parses: (its start, its end).
 
     Inside a broken element whose end was found (`stop`), only a line start indented no deeper than
@@ -204,7 +211,7 @@ def _resync(mm: Any, start: int, stop: int | None) -> tuple[int, int] | None:
             continue
         if column is not None and indent is not None and column > indent:
             continue
-        end, _ = _element_end(mm, candidate)
+        end, _ = _element_end(mm, candidate, limit)  # bounded: at most RESYNC_TRIES x limit bytes scanned
         if end >= 0 and not parse_record(bytes(mm[candidate:end]), 0).error:
             return candidate, end
     return None
@@ -249,7 +256,7 @@ def _json_array(path: Path, max_record_bytes: int) -> Iterator[Raw]:
                     pos = end
                     continue
                 why = raw.error
-            found = _resync(mm, start, None if end < 0 else end)
+            found = _resync(mm, start, None if end < 0 else end, max_record_bytes)
             if found is None and end >= 0:
                 yield Raw(n, error=why, raw=bytes(mm[start:min(end, start + RAW_PREFIX)]).rstrip(), size=end - start)
                 pos = end
