@@ -29,6 +29,7 @@ import contextlib
 import logging
 import os
 import random
+import secrets
 import time
 import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -332,7 +333,7 @@ class Bus:
         """
         if (await self.js.stream_info(stream)).state.last_seq < from_seq:
             return
-        name = self.nc._nuid.next().decode()
+        name = f"read-{secrets.token_hex(8)}"
         info = await self.js.add_consumer(stream, api.ConsumerConfig(
             name=name, filter_subject=subject, deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
             opt_start_seq=max(1, from_seq), ack_policy=api.AckPolicy.NONE, inactive_threshold=60.0,

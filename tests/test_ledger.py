@@ -7,6 +7,7 @@ import hashlib
 import io
 import json
 import logging
+import os
 import random
 import subprocess
 import sys
@@ -14,13 +15,12 @@ from collections import Counter
 from typing import Any
 
 import msgspec
-import numpy as np
 import pytest
 
 import shared.ledger as ledger_mod
 from shared.bus import Bus
 from shared.config import Config
-from shared.ledger import SCHEMA, Ledger, PromptSet, RunLedger, prompt_hash
+from shared.ledger import SCHEMA, Ledger, PromptSet, RunLedger, prompt_hash, prompt_hashes
 from shared.messages import Alert, DeadLetter, Message, ShardWritten, Subjects, TokenizedShard
 from shared.status import picture, run_status
 from shared.store import Keys, Store
@@ -145,19 +145,30 @@ def put_manifest(store: Store, run: str, accepted: int) -> None:
 # --- tests --------------------------------------------------------------------------------------------------
 
 
-def test_prompt_set_counts_unique_hashes_across_merges() -> None:
-    rng = random.Random(1)
-    values = [rng.getrandbits(64) for _ in range(30_000)]
-    stream = values + values[:9_000] + [rng.choice(values) for _ in range(5_000)]
-    rng.shuffle(stream)
-    s, seen = PromptSet(), set()
-    for i in range(0, len(stream), 37):
-        s.add_many(stream[i:i + 37])
-        seen.update(stream[i:i + 37])
-        assert len(s) == len(seen)
-    arr = s.array()
-    assert arr.dtype == np.uint64 and len(arr) == 30_000 and bool(np.all(arr[1:] > arr[:-1]))
-    assert prompt_hash("abc") == prompt_hash("abc") != prompt_hash("abd")
+def test_prompt_hashes_are_stable_across_processes_and_keep_structured_ids_apart() -> None:
+    ids = [f"{i:064x}" for i in range(50_000)] + [hashlib.sha256(b"x").hexdigest(), "p1", "g" * 64]
+    hashes = prompt_hashes(ids)
+    assert hashes == [prompt_hash(p) for p in ids] and len(set(hashes)) == len(ids)  # padded counters too
+    assert prompt_hashes(["p1", ids[0]]) == [prompt_hash("p1"), prompt_hash(ids[0])]  # a mixed shard
+    code = "import sys; from shared.ledger import prompt_hash; print(prompt_hash(sys.argv[1]), prompt_hash(sys.argv[2]))"
+    for seed in ("1", "2"):  # str hashing is salted per process; these must not be
+        out = subprocess.run([sys.executable, "-c", code, ids[7], "p1"], capture_output=True, text=True, check=True,
+                             env={**os.environ, "PYTHONHASHSEED": seed})
+        assert out.stdout.split() == [str(prompt_hash(ids[7])), str(prompt_hash("p1"))]
+
+
+def test_prompt_set_from_a_snapshot_counts_like_a_set() -> None:
+    rng = random.Random(0)
+    values = [rng.getrandbits(64) for _ in range(20_000)]
+    first = PromptSet()
+    first.update(values[:10_000] + values[:100])
+    loaded, reference = PromptSet(first.sorted_array()), set(values[:10_000])
+    for i in range(10_000, 20_000, 50):
+        chunk = values[i:i + 50] + rng.sample(values[:i], 5)  # new ones, and some already counted
+        loaded.update(chunk)
+        reference.update(chunk)
+        assert len(loaded) == len(reference)
+    assert loaded.sorted_array().tolist() == sorted(reference)
 
 
 async def test_ledger_matches_a_full_replay_fresh_warm_and_from_snapshot_plus_tail(cfg, bus, store) -> None:
@@ -238,12 +249,12 @@ async def test_an_unusable_snapshot_is_rebuilt_from_the_logs_with_a_warning(cfg,
                                 metadata={"sha256": hashlib.sha256(data).hexdigest()})
     elif fault == "other_run":
         other = Ledger("someone-else")
-        other.prompts.add_many([1, 2, 3])
+        other.prompts.update([1, 2, 3])
         store.put_bytes(key, other.encode())
     elif fault == "ahead_of_logs":  # a snapshot from before the streams were recreated: its sequences run ahead
         ahead = Ledger.decode(data, run)
         ahead.cursor = {s: n + 10_000 for s, n in ahead.cursor.items()}
-        ahead.prompts.add_many([7])  # a number that would be wrong
+        ahead.prompts.add(7)  # a number that would be wrong
         store.put_bytes(key, ahead.encode())
     else:
         store.put_bytes(key, data[: len(data) // 2])
