@@ -3,6 +3,7 @@ one, a snapshot plus its tail, and a snapshot that cannot be used; and the work 
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import io
 import json
@@ -15,6 +16,7 @@ from collections import Counter
 from typing import Any
 
 import msgspec
+import nats.errors as nats_errors
 import pytest
 
 import shared.ledger as ledger_mod
@@ -284,3 +286,45 @@ async def test_a_reader_writes_a_snapshot_once_it_has_folded_enough(cfg, bus, st
     assert snap.cursor == fold.cursor and snap.counts() == fold.counts()
     st = await run_status(cfg, bus, store)  # a fresh reader from that snapshot
     assert st.completed == fold.completed and st.shards == len(fold.shard_keys)
+
+
+async def test_the_ledger_survives_restarts_of_nats_and_s3(tmp_path) -> None:
+    """Its own stack: both servers stopped and started again on their data. A long-lived ledger goes on from
+    its sequences (the streams keep them and their creation time), a fresh one from the snapshot in S3."""
+    from shared.stack import EmbeddedStack, Ports
+    from tests.conftest import make_config
+
+    s = EmbeddedStack(tmp_path, Ports.free())
+    s.start()
+    try:
+        cfg = make_config(s)
+        store = Store.open(cfg)
+        async with await Bus.connect(cfg.bus, "pytest-restart", deadline_s=10) as bus:
+            await bus.ensure_streams()
+            await publish(bus, run_events(cfg.run, 20, seed=8))
+            put_manifest(store, cfg.run, 150)
+            warm = RunLedger(cfg, bus, store)
+            await warm.refresh()
+            await warm.save()
+            for name in ("nats", "s3"):
+                s.stop_component(name)
+            s.start_nats()
+            s.start_s3()
+            s.wait_healthy(60)
+            for _ in range(60):  # the client reconnects on its own
+                try:
+                    await asyncio.wait_for(bus.js.stream_info("SHARDS"), 2)
+                    break
+                except (TimeoutError, ConnectionError, nats_errors.Error):
+                    await asyncio.sleep(0.5)
+            more = run_events(cfg.run, 10, seed=9, first=20)
+            for subject, msg in more:  # one by one: publish_many's async acks hung once right after the restart
+                await bus.publish(subject, msg)
+            expected = await replay_from_start(cfg, bus, store)
+            before = warm.folded
+            assert await ledger_numbers(cfg, bus, store, warm) == expected
+            assert warm.folded - before == sum(isinstance(e, ShardWritten | TokenizedShard | Alert) for _, e in more)
+            cold = RunLedger(cfg, bus, store)
+            assert await ledger_numbers(cfg, bus, store, cold) == expected and cold.source == "snapshot"
+    finally:
+        s.stop()
