@@ -354,12 +354,15 @@ class RunLedger:
             ledger.created[stream] = _created(info)
             start = ledger.cursor.get(stream, 0) + 1
             if info.state.last_seq >= start:
+                seq = 0
                 async for seq, event in self.bus.read_log(stream, subject, start, type_):
                     if event is not None:
                         ledger.add(event, seq)
                         self.folded += 1
                         self._since_snapshot += 1
                     ledger.cursor[stream] = seq
+                if not seq:  # none of the run's events up to last_seq (other runs', progress): skip them next time
+                    ledger.cursor[stream] = info.state.last_seq
             if stream == "PROGRESS":
                 ledger.expire_alerts(info.state.first_seq)
         await asyncio.gather(self._read_manifest(), self._read_dead_letters())
