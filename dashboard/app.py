@@ -24,8 +24,8 @@ from dashboard import state as sv
 from dashboard.cli import PASSWORD_ENV
 from dashboard.listener import Listener, Snapshot
 from shared.config import Config, ConfigError, load_config
+from shared.ledger import DurableCounts
 from shared.stack import connect_config
-from shared.status import DurableCounts
 
 REFRESH_S = 2.0
 

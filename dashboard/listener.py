@@ -3,8 +3,9 @@
 Streamlit reruns the page script in short-lived threads, so an event-loop-bound client cannot
 be cached; this object is (via `st.cache_resource`), and the page only reads `snapshot()`.
 On start it replays the PROGRESS stream from its first message (a page opened on day three
-shows days one and two), then follows it live with an ordered consumer; SHARDS and TOKENIZED
-likewise, for the counts workers cannot give exactly (unique prompts in S3, shards tokenized). Dead letters, stream
+shows days one and two), then follows it live with an ordered consumer. The counts workers cannot give
+exactly (unique prompts in S3, shards tokenized, data quality) come from each run's ledger
+(`shared.ledger.RunLedger`: its S3 snapshot, then the new events at every poll). Dead letters, stream
 lag per consumer, S3 reachability and run manifests are polled every few seconds. Any failure
 (NATS or S3 down) is recorded as a message for the page and retried; nothing raises into the page.
 """
@@ -29,14 +30,13 @@ from nats.js import api
 from dashboard.state import RunState, apply
 from shared.bus import Bus
 from shared.config import Config
-from shared.messages import DeadLetter, MessageError, ProgressMessage, ShardWritten, TokenizedShard, decode
-from shared.status import DurableCounts, DurableLog
+from shared.ledger import DurableCounts, RunLedger
+from shared.messages import DeadLetter, MessageError, ProgressMessage, decode
 from shared.store import Keys, Store, StoreError
 
 log = logging.getLogger("dflash.dashboard")
 
 POLL_S = 3.0
-SHARD_EVENT = ShardWritten | TokenizedShard
 
 
 @dataclass
@@ -81,7 +81,7 @@ class Listener:
         self.run = run
         self._lock = threading.Lock()
         self._state = Snapshot()
-        self._durable: dict[str, DurableLog] = {}  # per run, from SHARDS and TOKENIZED
+        self._ledgers: dict[str, RunLedger] = {}  # per run, refreshed on the listener's loop at every poll
         self._seq: dict[str, int] = {}  # last stream sequence folded, per stream
         self._stop = threading.Event()
         self._loop = asyncio.new_event_loop()
@@ -98,7 +98,7 @@ class Listener:
             return Snapshot(
                 runs={run: rs.copy() for run, rs in s.runs.items()}, health=copy.copy(s.health),
                 dead_letters=list(s.dead_letters), lag=list(s.lag), manifests=dict(s.manifests), last_seq=s.last_seq,
-                durable={run: d.counts() for run, d in self._durable.items()},
+                durable=dict(s.durable),
             )
 
     def replay_dead_letters(self, run: str, stage: str = "*", timeout_s: float = 60.0) -> int:
@@ -131,10 +131,7 @@ class Listener:
 
     async def _supervise(self) -> None:
         run = self.run or "*"
-        await asyncio.gather(self._follow_forever("PROGRESS", f"dflash.{run}.>"),
-                             self._follow_forever("SHARDS", f"dflash.{run}.generate.shard"),
-                             self._follow_forever("TOKENIZED", f"dflash.{run}.tokenize.shard"),
-                             self._poll_forever())
+        await asyncio.gather(self._follow_forever("PROGRESS", f"dflash.{run}.>"), self._poll_forever())
 
     async def _close_bus(self) -> None:
         if self._bus is not None:
@@ -164,9 +161,6 @@ class Listener:
             try:
                 await self._follow(bus, stream, subject)
             except (nats.errors.Error, nats.js.errors.Error, OSError, TimeoutError) as e:
-                if stream != "PROGRESS":  # a shard stream missing or failing: the page falls back to counters
-                    await asyncio.sleep(POLL_S)
-                    continue
                 stream_missing = isinstance(e, nats.js.errors.NotFoundError)
                 self._health(stream_missing=stream_missing,
                              nats_error="" if stream_missing else f"following progress failed: {e}")
@@ -175,9 +169,7 @@ class Listener:
     async def _follow(self, bus: Bus, stream: str, subject: str) -> None:
         """Replay `stream` from where we are (the start, first time), then follow it live."""
         await bus.js.stream_info(stream)  # NotFoundError: no service has created the streams yet
-        progress = stream == "PROGRESS"
-        if progress:
-            self._health(stream_missing=False)
+        self._health(stream_missing=False)
         start = self._seq.get(stream, 0) + 1
         config = api.ConsumerConfig(deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start)
         sub = await bus.js.subscribe(subject, stream=stream, ordered_consumer=True, config=config)
@@ -186,21 +178,17 @@ class Listener:
                 try:
                     m = await sub.next_msg(timeout=1.0)
                 except nats.errors.TimeoutError:
-                    if progress:
-                        self._health(replaying=False, replay_pending=0)
+                    self._health(replaying=False, replay_pending=0)
                     continue
                 md = m.metadata
                 try:
-                    event = decode(m.data, ProgressMessage if progress else SHARD_EVENT)
+                    event = decode(m.data, ProgressMessage)
                 except MessageError as e:
                     log.warning("skipping undecodable %s message seq %d: %s", stream, md.sequence.stream, e)
                     event = None
                 with self._lock:
                     self._seq[stream] = md.sequence.stream
                     if event is None:
-                        continue
-                    if not progress:
-                        self._durable.setdefault(event.run, DurableLog()).add(event)
                         continue
                     apply(self._state.runs, event)
                     self._state.last_seq = md.sequence.stream
@@ -233,6 +221,10 @@ class Listener:
         with self._lock:
             self._state.lag = lag
         self._health(nats_ok=True, nats_error="")
+        try:
+            await self._refresh_ledgers(bus)
+        except Exception as e:  # NATS or S3 failing mid-read: the counts stay as they were until the next poll
+            log.warning("run ledger not refreshed: %s", e)
 
     async def _lag(self, bus: Bus) -> list[ConsumerLag]:
         out = []
@@ -245,6 +237,23 @@ class Listener:
                 out.append(ConsumerLag(stream, info.name, info.num_pending or 0, info.num_ack_pending or 0,
                                        info.num_redelivered or 0))
         return out
+
+    async def _refresh_ledgers(self, bus: Bus) -> None:
+        """Fold each run's new shard events; the counts are taken here, on the loop that folds, so the page's
+        snapshot only copies them."""
+        with self._lock:
+            runs = [self.run] if self.run else list(self._state.runs)
+            s3_unknown = self._store is None and self._state.health.s3_error == "connecting…"
+        if s3_unknown:  # the first poll: wait for S3 (the snapshot) rather than fold the logs from the start
+            return
+        for run in runs:
+            ledger = self._ledgers.get(run)
+            if ledger is None:
+                ledger = self._ledgers[run] = RunLedger(msgspec.structs.replace(self.cfg, run=run), bus, self._store)
+            ledger.bus, ledger.store = bus, ledger.store or self._store  # S3 may have come up since
+            counts = (await ledger.refresh()).counts()
+            with self._lock:
+                self._state.durable[run] = counts
 
     async def _refresh_dead_letters(self) -> None:
         bus = self._bus

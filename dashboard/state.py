@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from shared.ledger import DurableCounts
 from shared.messages import (
     Alert,
     EvalReport,
@@ -23,7 +24,6 @@ from shared.messages import (
     TokenizerProgress,
     TrainerProgress,
 )
-from shared.status import DurableCounts
 
 HISTORY_POINTS = 2000  # per worker; older points are thinned, so a 30-day run still fits
 RATE_WINDOW_S = 300.0  # rates and ETA from the last five minutes of counters

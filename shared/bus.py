@@ -29,6 +29,7 @@ import contextlib
 import logging
 import os
 import random
+import secrets
 import time
 import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -326,6 +327,45 @@ class Bus:
                 log.warning("%s seq %d skipped: %s", stream, raw.seq, e)
                 continue
             yield raw.seq, msg
+
+    async def read_log(
+        self, stream: str, subject: str, from_seq: int = 1, type: Any = None, *, batch: int = 1000
+    ) -> AsyncIterator[tuple[int, Any]]:
+        """Every message on `subject` from `from_seq` on, in order, read in batches: the tail of a log.
+
+        The same messages as `replay` (up to the stream's end when the read began), through a throwaway
+        pull consumer instead of one request per message: a tail of thousands costs a few round trips
+        (`replay` costs ~0.4 ms per message), and an empty tail costs two requests. An undecodable
+        message is logged and yielded as None, so a reader still moves past it.
+        """
+        if (await self.js.stream_info(stream)).state.last_seq < from_seq:
+            return
+        name = f"read-{secrets.token_hex(8)}"
+        info = await self.js.add_consumer(stream, api.ConsumerConfig(
+            name=name, filter_subject=subject, deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
+            opt_start_seq=max(1, from_seq), ack_policy=api.AckPolicy.NONE, inactive_threshold=60.0,
+            mem_storage=True, num_replicas=1,
+        ))
+        remaining = info.num_pending or 0  # matching messages now: later ones are the next read's
+        try:
+            if remaining:
+                sub = await self.js.pull_subscribe_bind(consumer=name, stream=stream)
+                try:
+                    while remaining > 0:
+                        for m in await sub.fetch(min(batch, remaining), timeout=10.0):
+                            remaining -= 1
+                            try:
+                                msg = decode(m.data, type) if type is not None else decode(m.data)
+                            except MessageError as e:  # one bad message must not stop every reader of the log
+                                log.warning("undecodable %s message seq %d: %s", stream, m.metadata.sequence.stream, e)
+                                msg = None
+                            yield m.metadata.sequence.stream, msg
+                finally:
+                    with contextlib.suppress(Exception):
+                        await sub.unsubscribe()
+        finally:
+            with contextlib.suppress(Exception):
+                await self.js.delete_consumer(stream, name)
 
     async def latest_per_subject(self, stream: str, subject: str, *, timeout_s: float = 2.0) -> list[tuple[int, Any]]:
         """The last message of every subject matching `subject` (a wildcard), e.g. each worker's progress."""

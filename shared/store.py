@@ -371,6 +371,11 @@ class Keys:
         return f"runs/{run}/tokenized/{fingerprint}/gate.json"
 
     @staticmethod
+    def ledger(run: str) -> str:
+        """The run ledger's snapshot (shared.ledger): a fold of the run's logs up to per-stream sequences."""
+        return f"runs/{run}/ledger/snapshot.bin"
+
+    @staticmethod
     def checkpoint(run: str, step: int) -> str:
         return f"runs/{run}/checkpoints/step-{step:08d}/"
 

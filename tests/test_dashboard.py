@@ -16,6 +16,7 @@ from streamlit.testing.v1 import AppTest
 from dashboard import state as sv
 from dashboard.cli import is_local
 from shared.bus import Bus, consumer_for
+from shared.ledger import Ledger
 from shared.messages import (
     GeneratorProgress,
     PromptTask,
@@ -27,7 +28,6 @@ from shared.messages import (
     encode,
 )
 from shared.stack import EmbeddedStack, Ports, free_port
-from shared.status import DurableLog
 from tests.conftest import new_run
 from tests.dashboard_events import SHARD_QUALITY, SILENT_WORKER, initial_events, publish, shard_events
 
@@ -90,7 +90,7 @@ def test_fold_real_events_into_view_model():
     now = time.time()
     events, ev = initial_events("r1", now)
     runs: dict[str, sv.RunState] = {}
-    log = DurableLog()
+    log = Ledger("r")
     for _, msg in events:
         msg = decode(encode(msg))  # as they arrive on the wire
         log.add(msg) if isinstance(msg, ShardWritten | TokenizedShard) else sv.apply(runs, msg)
@@ -132,7 +132,7 @@ def test_redeliveries_and_restarts_do_not_move_the_stage_counts():
     shard events do neither."""
     run, now = "r2", time.time()
     runs: dict[str, sv.RunState] = {}
-    log = DurableLog()
+    log = Ledger("r")
     for _, msg in shard_events(run, now)[:2]:  # shards w0/0 (30 prompts) and w0/1 (20), then w0/0 tokenized
         log.add(msg)
     log.add(shard_events(run, now)[4][1])
@@ -153,7 +153,7 @@ def test_redeliveries_and_restarts_do_not_move_the_stage_counts():
     log.add(msgspec.structs.replace(first, dropped={}, supervised_histogram={}, retokenization_drift=0, ts=now))
     assert sv.quality_view(runs[run], log.counts()) == q
     # A run tokenized before the events carried a histogram: the tokenizer's counters give it.
-    old_log = DurableLog()
+    old_log = Ledger("r")
     old_log.add(msgspec.structs.replace(first, supervised_histogram={}))
     sv.apply(runs, TokenizerProgress(run=run, worker="tok", shards=1, supervised_histogram={"64": 25}, ts=now - 1))
     assert sv.quality_view(runs[run], old_log.counts()).histogram == [(64, 25)]

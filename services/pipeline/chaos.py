@@ -30,6 +30,7 @@ import msgspec
 
 from shared.bus import Bus
 from shared.config import Config, load_config
+from shared.ledger import RunLedger
 from shared.messages import ShardWritten, Subjects, TokenizedShard
 from shared.records import dedupe_completions, read_completions, read_sample_generations
 from shared.stack import EmbeddedStack, Ports
@@ -208,6 +209,7 @@ class Chaos:
         deadline = self.t0 + self.s.timeout_s
         async with await Bus.connect(cfg.bus, "chaos", deadline_s=30) as bus:
             await bus.ensure_streams()
+            ledger = RunLedger(cfg, bus, store)
             while True:
                 if time.monotonic() > deadline:
                     self.report.failures.append(f"did not finish within {self.s.timeout_s:.0f}s (phase {phase})")
@@ -226,7 +228,7 @@ class Chaos:
                             break
                     next_fault = time.monotonic() + self.s.fault_every_s
                 try:
-                    p = await picture(cfg, bus, store)
+                    p = await picture(cfg, bus, store, ledger)
                 except Exception as e:
                     print(f"[chaos] status unavailable: {type(e).__name__}: {e}", flush=True)
                     await asyncio.sleep(2)

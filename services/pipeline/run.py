@@ -22,6 +22,7 @@ import msgspec
 
 from shared.bus import Bus
 from shared.config import Config, data_dir
+from shared.ledger import RunLedger
 from shared.messages import Alert, Subjects
 from shared.status import Picture, RunStatus, generation_done, picture, run_status, tokenization_done
 from shared.store import Keys, Store
@@ -146,10 +147,11 @@ async def run_pipeline(cfg: Config, plan: RunPlan, *, env: dict[str, str], show:
         generators = [n for n in sup.services if n.startswith("generator-")]
         phase = "generate"
         outcome = 0
+        ledger = RunLedger(cfg, bus, store)  # each poll folds only the events since the last
         try:
             with Display(cfg, show) as display:
                 while True:
-                    p = await picture(cfg, bus, store)
+                    p = await picture(cfg, bus, store, ledger)
                     display.update(p, sup.state())
                     looping = [n for n, s in sup.state().items() if s == "crash_loop"]
                     if looping:
@@ -192,7 +194,7 @@ async def run_pipeline(cfg: Config, plan: RunPlan, *, env: dict[str, str], show:
                 key = Keys.eval_report(cfg.run)
                 if await asyncio.to_thread(store.exists, key):
                     report = msgspec.json.decode(await asyncio.to_thread(store.get_bytes, key))
-        print_artifacts(cfg, store, report, await run_status(cfg, bus, store))
+        print_artifacts(cfg, store, report, await run_status(cfg, bus, store, ledger))
         await sup.stop()
         return outcome
 

@@ -27,6 +27,7 @@ import torch
 
 from shared.bus import Bus, ProgressLoop
 from shared.config import Config
+from shared.ledger import RunLedger
 from shared.messages import Subjects, TrainerProgress
 from shared.records import TokenizedSample
 from shared.status import data_complete, picture
@@ -189,6 +190,7 @@ class Trainer:
         self.samples_seen = 0
         self.train_s = 0.0  # time spent in training steps, over all processes of this run
         self.feed: ShardFeed | None = None  # rank 0's durable consumer of the TOKENIZED log
+        self.ledger = RunLedger(cfg, bus, store)  # rank 0's view of the run: each check folds only what is new
 
     # --- data --------------------------------------------------------------------------------
 
@@ -214,7 +216,7 @@ class Trainer:
         announcement before the answer (so the keys read next are the whole data)."""
         complete = None
         if self.feed is not None:
-            complete = data_complete(await picture(self.cfg, self.bus, self.store))
+            complete = data_complete(await picture(self.cfg, self.bus, self.store, self.ledger))
             while complete and not await self.feed.caught_up():
                 await asyncio.sleep(0.2)
         return await asyncio.to_thread(self.dist.from_main, complete)
