@@ -81,7 +81,7 @@ class FeederConfig(Section):
 
 
 class GeneratorConfig(Section):
-    backend: Literal["hf", "sglang", "openai"] = "hf"
+    backend: Literal["hf", "sglang", "openai", "synthetic"] = "hf"  # synthetic: a load generator, benchmarks/tests only
     max_inflight: int = 16  # requests kept in flight so the engine never idles
     batch_size: int = 8  # hf backend: prompts per generate() call
     shard_records: int = 256
@@ -101,6 +101,12 @@ class GeneratorConfig(Section):
     max_context_tokens: int = 0  # prompt + max_new_tokens limit; 0: the model's own (hf backend)
     drain_s: float = 60.0  # on SIGTERM: how long in-flight generations may finish before they are requeued
     progress_every_s: float = 3.0
+    # backend "synthetic" (a load generator for benchmarks and tests): completion lengths uniform in
+    # [min, max] tokens (small, so 914K prompts tokenize in minutes), at most `synthetic_rate` completions/s
+    # per worker (0: as fast as the worker goes)
+    synthetic_min_tokens: int = 40
+    synthetic_max_tokens: int = 80
+    synthetic_rate: float = 0.0
 
 
 class TokenizerConfig(Section):
@@ -112,6 +118,7 @@ class TokenizerConfig(Section):
     gate_threshold: float = 0.2
     gate_override: bool = False  # keep going past a tripped gate (logged and shown, never silent)
     max_ack_pending: int = 16
+    ack_wait_s: float = 60.0  # a killed worker's shards come back after this (in-flight ones are heartbeated)
     # Same-answer collapse: the most common answer text over a full gate window above this share trips the gate.
     gate_identical_threshold: float = 0.5
     # An answer ending in >= repetition_min_tail tokens of one piece of <= repetition_max_period tokens
@@ -164,6 +171,9 @@ class TrainerConfig(Section):
     # Stop after this much training time (0: no limit), checkpointed as "done"; the cosine schedule then
     # follows whichever of steps and time is further along (so such runs are not bit-reproducible).
     max_train_s: float = 0.0
+    # Local disk cache of the tokenized shards as flat token/mask arrays, shared by the ranks of a node
+    # (empty: <stack.data_dir>/cache/tokenized). Needs about 5 bytes per token of the run's data.
+    data_cache_dir: str = ""
 
 
 class DashboardConfig(Section):

@@ -76,7 +76,7 @@ def register(sub: Any, replay: Any) -> None:
     p.add_argument("--run", required=True)
     p.add_argument("--worker", default=os.environ.get("DFLASH_WORKER"), help="unique worker name (default host-gpuN)")
     p.add_argument("--gpu", type=int, default=None, help="GPU index for this worker's engine")
-    p.add_argument("--backend", choices=["hf", "sglang", "openai"], default=None)
+    p.add_argument("--backend", choices=["hf", "sglang", "openai", "synthetic"], default=None)
     p.add_argument("--engine-url", default=None, help="sglang/openai server URL")
     p.add_argument("--launch", action="store_true", help="sglang: start a server for this GPU")
     p.set_defaults(func=_generate)

@@ -78,7 +78,7 @@ def register(sub: Any, replay: Any) -> None:
     p.add_argument("--run", required=True, help="run name; re-running the same name resumes it")
     p.add_argument("--gpus", type=_gpus, default=None, help="e.g. 0,1,2,3: one generator per GPU")
     p.add_argument("--generators", type=int, default=1, help="generators on CPU when no --gpus")
-    p.add_argument("--backend", choices=["hf", "sglang", "openai"], default=None)
+    p.add_argument("--backend", choices=["hf", "sglang", "openai", "synthetic"], default=None)
     p.add_argument("--no-train", action="store_true", help="stop after tokenization")
     p.add_argument("--no-dashboard", action="store_true")
     p.add_argument("--plain", action="store_true", help="log lines instead of the live display")

@@ -307,7 +307,8 @@ class TokenizerService:
 
     async def _serve(self, stop: asyncio.Event, *, burst: bool, progress_every_s: float) -> WorkStats:
         self.stop = stop
-        spec = consumer_for("tokenize", self.run, ack_wait_s=60.0, max_ack_pending=self.cfg.tokenizer.max_ack_pending)
+        spec = consumer_for("tokenize", self.run, ack_wait_s=self.cfg.tokenizer.ack_wait_s,
+                            max_ack_pending=self.cfg.tokenizer.max_ack_pending)
         stats = WorkStats()
         subject = Subjects.progress(self.run, gatemod.STAGE, self.worker)
         async with ProgressLoop(self.bus, subject, self.snapshot, every_s=progress_every_s):

@@ -29,7 +29,7 @@ async def _eval_async(cfg: Any, limit: int | None) -> dict:
     from shared.messages import EvalReport, Subjects
     from shared.store import Keys, Store
 
-    from .data import load_samples, shard_keys
+    from .data import ShardCache, load_samples, shard_keys
     from .eval import evaluate, prompt_part
     from .features import Target
     from .model import DFlashDrafter
@@ -41,8 +41,9 @@ async def _eval_async(cfg: Any, limit: int | None) -> dict:
             print(f"dfpipe eval: {missing}", file=sys.stderr)
             raise SystemExit(2)
         keys = await shard_keys(bus, cfg.run)
-        held = await asyncio.to_thread(load_samples, store, keys, holdout_mod=cfg.trainer.holdout_mod, train=False)
-        prompts = [prompt_part(s) for s in held][: limit or cfg.trainer.eval_prompts]
+        held = await asyncio.to_thread(load_samples, store, keys, holdout_mod=cfg.trainer.holdout_mod, train=False,
+                                       cache=ShardCache.for_config(cfg))
+        prompts = [prompt_part(held[i]) for i in range(min(len(held), limit or cfg.trainer.eval_prompts))]
         if not prompts:
             raise SystemExit(f"dfpipe eval: run {cfg.run} has no held-out samples (trainer.holdout_mod)")
         ckpt = json.loads(await asyncio.to_thread(store.get_bytes, latest_key(cfg.run)))["key"]

@@ -6,6 +6,12 @@ so training can begin while generation and tokenization still run; the shard lis
 epoch (later shards join the next one). Only the newest template fingerprint is used (a
 re-tokenization supersedes the old output). Every `holdout_mod`-th prompt (by prompt_id hash) is
 held out of training for `dfpipe eval`.
+
+Memory does not grow with the tokens (DESIGN.md, Scale): each shard is fetched once into a local
+disk cache as flat arrays (`ShardCache`: int32 ids + uint8 mask, and a small per-sample table), and
+the trainer keeps only per-sample numbers (`SampleIndex`, `SampleSet`: ~70 bytes a sample, no
+per-token Python object); a sample's tokens are read from the cache file when a micro-batch needs
+them. The cache is shared by every rank of a node (files are written once, by rename).
 """
 
 from __future__ import annotations
@@ -13,17 +19,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import torch
 
 from shared.bus import Bus, Delivery, consumer_for
+from shared.config import Config, data_dir
 from shared.messages import Subjects, TokenizedShard
-from shared.records import TokenizedSample, dedupe_samples, read_samples
+from shared.records import RecordError, TokenizedSample
 from shared.store import Store
-
-
-def held_out(prompt_id: str, holdout_mod: int) -> bool:
-    return holdout_mod > 0 and int(hashlib.sha256(prompt_id.encode()).hexdigest()[:8], 16) % holdout_mod == 0
 
 
 def newest_keys(shards: dict[str, tuple[str, int]]) -> list[str]:
@@ -112,14 +122,182 @@ async def shard_keys(bus: Bus, run: str) -> list[str]:
     return newest_keys(shards)
 
 
-def load_samples(store: Store, keys: list[str], *, holdout_mod: int, train: bool) -> list[TokenizedSample]:
-    """One sample per prompt_id (by `dedupe_samples`: a regeneration replaces the older sample), the
-    held-out ones or the others."""
-    unique = dedupe_samples((key, read_samples(store.get_bytes(key))) for key in keys)
-    return sorted((s for s in unique.values() if s.num_supervised >= 2 and held_out(s.prompt_id, holdout_mod) != train),
-                  key=lambda s: s.prompt_id)
+def _holdout_hash(prompt_id: str) -> int:
+    return int(hashlib.sha256(prompt_id.encode()).hexdigest()[:8], 16)
 
 
-def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
+def held_out(prompt_id: str, holdout_mod: int) -> bool:
+    return holdout_mod > 0 and _holdout_hash(prompt_id) % holdout_mod == 0
+
+
+# One row per sample of a shard, in row order; `start` is the sample's first token in the shard's token file.
+def _meta_dtype(id_width: int) -> np.dtype:
+    return np.dtype([("prompt_id", f"S{max(1, id_width)}"), ("generation", "<i4"), ("num_tokens", "<i4"),
+                     ("num_supervised", "<i4"), ("truncated", "?"), ("holdout_hash", "<u4"), ("start", "<i8")])
+
+
+class ShardCache:
+    """Tokenized shards on local disk: `<name>.tok` (int32 ids of every sample, then their uint8 masks) and
+    `<name>.meta.npy` (the per-sample table), written once each through a rename, the table last (its
+    presence means the shard is complete). Objects under a tokenized key never change (the key holds the
+    template fingerprint), so a cached shard is never fetched again; the folder is per S3 endpoint and
+    bucket, so another stack's objects under the same key never meet these."""
+
+    def __init__(self, root: Path, *, keep: object = None) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._keep = keep  # a temporary folder's owner: removed with the last reference to this cache
+
+    @classmethod
+    def temporary(cls) -> ShardCache:
+        """A private cache removed once nothing uses it (for one-off readers)."""
+        tmp = tempfile.TemporaryDirectory(prefix="dflash-samples-")
+        return cls(Path(tmp.name), keep=tmp)
+
+    @classmethod
+    def for_config(cls, cfg: Config) -> ShardCache:
+        if cfg.trainer.data_cache_dir:
+            base = Path(cfg.trainer.data_cache_dir).expanduser()
+        else:
+            base = data_dir(cfg) / "cache" / "tokenized"
+        where = hashlib.sha256(f"{cfg.store.endpoint}/{cfg.store.bucket}".encode()).hexdigest()[:12]
+        return cls(base / where)
+
+    def _name(self, key: str) -> Path:
+        return self.root / hashlib.sha256(key.encode()).hexdigest()[:32]
+
+    def tokens_path(self, key: str) -> Path:
+        return self._name(key).with_suffix(".tok")
+
+    def meta(self, store: Store, key: str) -> np.ndarray:
+        """The shard's per-sample table, fetching and converting the shard first if it is not cached."""
+        meta_path = self._name(key).with_suffix(".meta.npy")
+        if not meta_path.exists():
+            self._fetch(store, key, meta_path)
+        return np.load(meta_path)
+
+    def _fetch(self, store: Store, key: str, meta_path: Path) -> None:
+        try:
+            table = pq.read_table(pa.BufferReader(store.get_bytes(key)))
+            ids = table.column("input_ids").combine_chunks()
+            mask = table.column("loss_mask").combine_chunks()
+            pids = table.column("prompt_id").to_numpy(zero_copy_only=False)
+        except (pa.ArrowInvalid, OSError, KeyError) as e:
+            raise RecordError(f"{key}: not a readable tokenized shard: {e}") from None
+        offsets = ids.offsets.to_numpy().astype(np.int64)
+        lengths = np.diff(offsets)
+        if not np.array_equal(lengths, np.diff(mask.offsets.to_numpy())):
+            raise RecordError(f"{key}: a sample's mask is not as long as its ids")
+        encoded = [p.encode() for p in pids]  # one small object per sample while converting, none kept
+        meta = np.zeros(len(pids), dtype=_meta_dtype(max((len(p) for p in encoded), default=1)))
+        meta["prompt_id"] = encoded
+        meta["generation"] = (table.column("generation").fill_null(0).to_numpy()
+                              if "generation" in table.column_names else 0)
+        meta["num_tokens"] = lengths
+        meta["num_supervised"] = table.column("num_supervised").to_numpy()
+        meta["truncated"] = table.column("truncated").to_numpy(zero_copy_only=False)
+        meta["holdout_hash"] = [_holdout_hash(p) for p in pids]
+        meta["start"] = offsets[:-1] - offsets[0]
+        start, end = int(offsets[0]), int(offsets[-1])
+        tok_path = self.tokens_path(key)
+        tmp = tok_path.with_name(f"{tok_path.name}.{os.getpid()}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(ids.values.to_numpy()[start:end].astype("<i4", copy=False).tobytes())
+            f.write(mask.values.to_numpy()[start:end].astype(np.uint8).tobytes())
+        os.replace(tmp, tok_path)
+        tmp = meta_path.with_name(f"{meta_path.name}.{os.getpid()}.tmp.npy")
+        np.save(tmp, meta)
+        os.replace(tmp, meta_path)
+
+
+class SampleSet:
+    """The samples of one pass, sorted by prompt_id: per-sample numbers in arrays, tokens on disk.
+    `set[i]` reads sample i from the cache (a TokenizedSample, as the training loop uses)."""
+
+    def __init__(self, cache: ShardCache, keys: list[str], rows: np.ndarray, shard: np.ndarray,
+                 shard_tokens: np.ndarray) -> None:
+        self.cache = cache
+        self._paths = [str(cache.tokens_path(k)) for k in keys]
+        self._rows, self._shard, self._shard_tokens = rows, shard, shard_tokens  # the shard's ids end where its masks start
+        self.num_tokens = rows["num_tokens"].astype(np.int64)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __getitem__(self, i: int) -> TokenizedSample:
+        r = self._rows[i]
+        shard = self._shard[i]
+        path, n, total = self._paths[shard], int(r["num_tokens"]), int(self._shard_tokens[shard])
+        ids = np.fromfile(path, dtype="<i4", count=n, offset=4 * int(r["start"]))
+        mask = np.fromfile(path, dtype=np.uint8, count=n, offset=4 * total + int(r["start"]))
+        return TokenizedSample(prompt_id=r["prompt_id"].decode(), input_ids=ids.tolist(), loss_mask=mask.tolist(),
+                               num_tokens=n, num_supervised=int(r["num_supervised"]), truncated=bool(r["truncated"]),
+                               generation=int(r["generation"]))
+
+    def __iter__(self) -> Iterator[TokenizedSample]:
+        return (self[i] for i in range(len(self)))
+
+    def memory_bytes(self) -> int:
+        return self._rows.nbytes + self._shard.nbytes + self._shard_tokens.nbytes + self.num_tokens.nbytes
+
+
+class SampleIndex:
+    """Every shard indexed so far (its per-sample table, in memory); `select` dedupes and filters them.
+    Growing data costs the new shards' fetch and conversion; the dedupe is a vectorized sort."""
+
+    def __init__(self, store: Store, cache: ShardCache) -> None:
+        self.store, self.cache = store, cache
+        self._meta: dict[str, np.ndarray] = {}
+
+    def add(self, keys: list[str]) -> int:
+        """Index the shards not indexed yet; how many were new."""
+        new = [k for k in keys if k not in self._meta]
+        for k in new:
+            self._meta[k] = self.cache.meta(self.store, k)
+        return len(new)
+
+    def select(self, keys: list[str], *, holdout_mod: int, train: bool) -> SampleSet:
+        """One sample per prompt_id by `shared.records.dedupe_samples`' rule (the first by (−generation,
+        shard key, row)), with at least 2 supervised tokens, held out or not, sorted by prompt_id."""
+        self.add(keys)
+        keys = sorted(keys)
+        metas = [self._meta[k] for k in keys]
+        width = max((m.dtype["prompt_id"].itemsize for m in metas), default=1)
+        rows = np.zeros(sum(len(m) for m in metas), dtype=_meta_dtype(width))
+        shard = np.repeat(np.arange(len(metas), dtype=np.int32), [len(m) for m in metas])
+        row_no = np.zeros(len(rows), dtype=np.int64)
+        at = 0
+        for m in metas:
+            for name in m.dtype.names:
+                rows[name][at:at + len(m)] = m[name]
+            row_no[at:at + len(m)] = np.arange(len(m))
+            at += len(m)
+        shard_tokens = np.array([int(m["num_tokens"].sum()) for m in metas], dtype=np.int64)
+        # lexsort: the last key is the primary one
+        order = np.lexsort((row_no, shard, -rows["generation"].astype(np.int64), rows["prompt_id"]))
+        pids = rows["prompt_id"][order]
+        first = np.ones(len(order), dtype=bool)
+        first[1:] = pids[1:] != pids[:-1]
+        order = order[first]
+        keep = rows["num_supervised"][order] >= 2
+        if holdout_mod > 0:
+            keep &= (rows["holdout_hash"][order] % holdout_mod == 0) != train
+        elif not train:
+            keep[:] = False
+        order = order[keep]
+        return SampleSet(self.cache, keys, rows[order], shard[order], shard_tokens)
+
+
+def load_samples(store: Store, keys: list[str], *, holdout_mod: int, train: bool,
+                 cache: ShardCache | None = None, index: SampleIndex | None = None) -> SampleSet:
+    """One sample per prompt_id (by `dedupe_samples`' rule: a regeneration replaces the older sample), the
+    held-out ones or the others. Pass the trainer's `index` so only shards new to it are fetched; without
+    `cache` the shards go to a temporary one, removed with the returned set."""
+    if index is None:
+        index = SampleIndex(store, cache or ShardCache.temporary())
+    return index.select(keys, holdout_mod=holdout_mod, train=train)
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    return torch.randperm(n, generator=g).tolist()
+    return torch.randperm(n, generator=g).numpy()

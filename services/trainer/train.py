@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import numpy as np
 import torch
 
 from shared.bus import Bus, ProgressLoop
@@ -34,7 +35,7 @@ from shared.status import data_complete, picture
 from shared.store import Keys, Store
 
 from .blocks import Blocks, estimated_tau, label_states, make_blocks, sample_anchors
-from .data import ShardFeed, epoch_order, load_samples
+from .data import SampleIndex, SampleSet, ShardCache, ShardFeed, epoch_order, load_samples
 from .dist import Dist
 from .features import Target
 from .loss import head_cross_entropy
@@ -114,7 +115,7 @@ def autocast_dtype(setting: str, device: torch.device) -> torch.dtype | None:
     return torch.bfloat16 if device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported() else None
 
 
-def draft_vocab_ids(samples: list[TokenizedSample], size: int, vocab_size: int) -> torch.Tensor:
+def draft_vocab_ids(samples: SampleSet | list[TokenizedSample], size: int, vocab_size: int) -> torch.Tensor:
     """The `size` ids most frequent among the supervised tokens (ties to the lower id), sorted."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for s in samples:
@@ -191,6 +192,9 @@ class Trainer:
         self.train_s = 0.0  # time spent in training steps, over all processes of this run
         self.feed: ShardFeed | None = None  # rank 0's durable consumer of the TOKENIZED log
         self.ledger = RunLedger(cfg, bus, store)  # rank 0's view of the run: each check folds only what is new
+        # every shard indexed so far (per-sample numbers; tokens in the node's disk cache): only new shards are fetched
+        self.index = SampleIndex(store, ShardCache.for_config(cfg))
+        self._packing: tuple[np.ndarray | None, np.ndarray] = (None, np.zeros(0, dtype=np.int64))
 
     # --- data --------------------------------------------------------------------------------
 
@@ -246,33 +250,34 @@ class Trainer:
             self.last = msgspec.structs.replace(self.last, state="waiting for data", ts=time.time())
             await asyncio.sleep(2)
 
-    def _samples(self, keys: list[str]) -> list[TokenizedSample]:
-        return load_samples(self.store, keys, holdout_mod=self.cfg.trainer.holdout_mod, train=True)
+    def _samples(self, keys: list[str]) -> SampleSet:
+        return load_samples(self.store, keys, holdout_mod=self.cfg.trainer.holdout_mod, train=True, index=self.index)
 
-    def _plan_total(self, samples: list[TokenizedSample]) -> int:
+    def _plan_total(self, samples: SampleSet) -> int:
         t = self.cfg.trainer
         return t.max_steps or max(1, t.epochs * self._steps_per_epoch(samples))
 
-    def _steps_per_epoch(self, samples: list[TokenizedSample]) -> int:
+    def _steps_per_epoch(self, samples: SampleSet) -> int:
         t = self.cfg.trainer
-        avg = sum(min(s.num_tokens, t.max_length) for s in samples) / max(1, len(samples))
+        avg = int(np.minimum(samples.num_tokens, t.max_length).sum()) / max(1, len(samples))
         per_step = t.grad_accum * self.dist.world * max(1, int(t.token_budget // max(1.0, avg)))  # every rank's
         return math.ceil(len(samples) / per_step)
 
-    def _pass_steps(self, samples: list[TokenizedSample], order: list[int]) -> int:
+    def _pass_steps(self, samples: SampleSet, order: np.ndarray) -> int:
         """The optimizer steps of one pass in this order, packed as the training loop packs them."""
         t = self.cfg.trainer
+        lengths = self._lengths(samples, order).tolist()  # plain ints: the packing loop runs once per sample
         micro, position = 0, 0
-        while position < len(order):
-            position = self._microbatch_end(samples, order, position)
+        while position < len(lengths):
+            position = self._microbatch_end(lengths, position)
             micro += 1
         return math.ceil(micro / (t.grad_accum * self.dist.world))
 
-    def _uncounted_steps(self, samples: list[TokenizedSample], order: list[int]) -> int:
+    def _uncounted_steps(self, samples: SampleSet, order: np.ndarray) -> int:
         """A pass over part of the data comes on top of the epochs: the plan must not end inside it."""
         return 0 if self.cursor.complete else self._pass_steps(samples, order)
 
-    def _replan(self, samples: list[TokenizedSample], order: list[int]) -> None:
+    def _replan(self, samples: SampleSet, order: np.ndarray) -> None:
         """At a pass boundary: the steps left become the remaining epochs over all the data there is (more
         data, or a pass over part of it that did not count, which is planned on top), and the cosine
         schedule stretches to the new total (a fixed max_steps is kept)."""
@@ -369,30 +374,36 @@ class Trainer:
         budget = self.cfg.trainer.max_train_s
         return budget > 0 and self.train_s >= budget
 
-    def _microbatch_end(self, samples: list[TokenizedSample], order: list[int], start: int) -> int:
-        """Where the micro-batch starting at `start` of the order ends: whole sequences up to `token_budget`
-        tokens (at least one)."""
+    def _lengths(self, samples: SampleSet, order: np.ndarray) -> np.ndarray:
+        """Each position's trained length in this pass's order (made once per order, from the index alone)."""
+        if self._packing[0] is not order:
+            self._packing = (order, np.minimum(samples.num_tokens[order], self.cfg.trainer.max_length))
+        return self._packing[1]
+
+    def _microbatch_end(self, lengths: Any, start: int) -> int:
+        """Where the micro-batch starting at position `start` ends (`lengths`: each position's trained length):
+        whole sequences up to `token_budget` tokens (at least one)."""
         t = self.cfg.trainer
         end, tokens = start, 0
-        while end < len(order):
-            n = min(samples[order[end]].num_tokens, t.max_length)
+        while end < len(lengths):
+            n = int(lengths[end])
             if end > start and tokens + n > t.token_budget:
                 break
             tokens += n
             end += 1
         return end
 
-    def _next_microbatch(self, samples: list[TokenizedSample], order: list[int]) -> list[tuple[int, TokenizedSample]]:
+    def _next_microbatch(self, samples: SampleSet, order: np.ndarray) -> list[tuple[int, TokenizedSample]]:
         start = self.cursor.position
-        self.cursor.position = self._microbatch_end(samples, order, start)
-        return [(pos, samples[order[pos]]) for pos in range(start, self.cursor.position)]
+        self.cursor.position = self._microbatch_end(self._lengths(samples, order), start)
+        return [(pos, samples[int(order[pos])]) for pos in range(start, self.cursor.position)]
 
     def _trained_weights(self, b: Blocks) -> torch.Tensor:
         if self.drafter.draft_vocab is None:
             return b.weights
         return b.weights * (self.drafter.vocab_rows(b.labels) >= 0)
 
-    def train_step(self, samples: list[TokenizedSample], order: list[int]) -> dict | None:
+    def train_step(self, samples: SampleSet, order: np.ndarray) -> dict | None:
         t, c = self.cfg.trainer, self.drafter.config
         micro = []
         for _ in range(t.grad_accum * self.dist.world):  # rank r takes micro-batches r, r+world, ...
@@ -450,7 +461,7 @@ class Trainer:
         t = self.cfg.trainer
         resumed = await asyncio.to_thread(self.load_latest)
         subject = Subjects.progress(self.run, "train", self.worker)
-        samples: list[TokenizedSample] = []
+        samples: SampleSet | None = None
         checkpoint_key: str | None = None
         heartbeat = ProgressLoop(self.bus, subject, lambda: self.last, 10.0) if self.dist.main else contextlib.nullcontext()
         self.feed = ShardFeed(self.bus, self.run, self.cursor.shards) if self.dist.main else None

@@ -3,6 +3,8 @@
 - `hf`: in-process transformers, batched (the embedded default, CPU or GPU).
 - `sglang`: SGLang's native `/generate`, token ids in and out (token-exact).
 - `openai`: any OpenAI-compatible server (vLLM, SGLang, llama.cpp, `transformers serve`).
+- `synthetic`: a load generator for benchmarks and tests (deterministic pseudo-completions as token ids),
+  never a default and never a source of training data.
 """
 
 from __future__ import annotations
@@ -97,6 +99,10 @@ def make_backend(cfg: Config, *, gpu: int | None = None) -> Backend:
         from .sglang import SGLangBackend
 
         return SGLangBackend(cfg, gpu=gpu)
+    if kind == "synthetic":
+        from .synthetic import SyntheticBackend
+
+        return SyntheticBackend(cfg, gpu=gpu)
     from .openai import OpenAIBackend
 
     return OpenAIBackend(cfg)
