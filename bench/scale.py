@@ -181,16 +181,18 @@ def timed_status(env: dict[str, str], run: str) -> tuple[float, dict[str, Any]]:
 
 
 async def status_api_latency(cfg: Config) -> list[float]:
-    """Two calls of the status API in one process (the second is the warm one)."""
+    """Two polls of the status API in one process with one ledger (the second is the warm one: it folds only the tail)."""
     from shared.bus import Bus
+    from shared.ledger import RunLedger
     from shared.status import run_status
 
     store = await asyncio.to_thread(Store.open, cfg, ensure_bucket=False)
     out = []
     async with await Bus.connect(cfg.bus, "bench-status", deadline_s=10) as bus:
+        ledger = RunLedger(cfg, bus, store)  # kept between polls, as `dfpipe run` and the dashboard keep theirs
         for _ in range(2):
             t = time.perf_counter()
-            await run_status(cfg, bus, store)
+            await run_status(cfg, bus, store, ledger)
             out.append(time.perf_counter() - t)
     return out
 
