@@ -131,6 +131,14 @@ class TokenizerConfig(Section):
 
 
 class TrainerConfig(Section):
+    # "dflash": the paper's drafter; "dflash2": DFlash 2, which adds per-layer convolutions and a candidate
+    # selector (services/trainer/model_dflash2.py) with the four knobs below, at the released drafters' values
+    arch: Literal["dflash", "dflash2"] = "dflash"
+    conv_kernel_size: int = 2  # dflash2: taps of each layer's causal convolution over the block's slots
+    conv_group_size: int = 16  # dflash2: channels sharing one dynamic kernel (divides the hidden size)
+    selector_rank: int = 256  # dflash2: width of the selector's predecessor/successor codebooks
+    selector_top_k: int = 16  # dflash2: candidates per slot the selector walks over
+    selector_loss_weight: float = 1.0  # dflash2: loss = DFlash loss + this × selector loss (same slot weights)
     block_size: int = 16
     num_layers: int = 5
     num_feature_layers: int = 5

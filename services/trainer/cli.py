@@ -30,9 +30,9 @@ async def _eval_async(cfg: Any, limit: int | None) -> dict:
     from shared.store import Keys, Store
 
     from .data import ShardCache, load_samples, shard_keys
+    from .drafters import load_drafter
     from .eval import evaluate, prompt_part
     from .features import Target
-    from .model import DFlashDrafter
     from .train import latest_key
 
     store = await asyncio.to_thread(Store.open, cfg)
@@ -57,7 +57,7 @@ async def _eval_async(cfg: Any, limit: int | None) -> dict:
             with tempfile.TemporaryDirectory() as tmp:
                 for name in ("config.json", "model.safetensors"):
                     store.get_file(f"{ckpt}drafter/{name}", Path(tmp) / name)
-                drafter = DFlashDrafter.load(Path(tmp))
+                drafter = load_drafter(Path(tmp), f"run {cfg.run}: checkpoint {ckpt}")
             lm = load_causal_lm(cfg.model.target)
             tok = load_tokenizer(cfg.model.target)
             eos = lm.generation_config.eos_token_id

@@ -70,7 +70,7 @@ def speculative(target: Target, drafter: DFlashDrafter, prompt: list[int], max_n
         q_pos = torch.arange(anchor_pos, anchor_pos + B, device=device)
         mask = torch.ones(B, ctx_len + B, dtype=torch.bool, device=device)
         hidden = drafter(target.embed(block), feats, q_pos, torch.arange(ctx_len, device=device), mask)
-        drafts = drafter.propose(hidden[1:], target.lm_head)  # [B−1]
+        drafts = drafter.propose(hidden[1:], target.lm_head, anchor=block[0])  # [B−1] (DFlash 2: the selector's walk)
         verify_in = torch.cat([block[:1], drafts])[None]
         vout = model(input_ids=verify_in, use_cache=True, output_hidden_states=True, **{kw: cache})
         choice = vout.logits[0].argmax(-1)  # target's greedy next token after each block position

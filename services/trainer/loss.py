@@ -38,12 +38,14 @@ def _scratch(name: str, rows: int, cols: int, dtype: torch.dtype, device: torch.
 class _HeadCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
-                chunk: int, teacher: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                chunk: int, teacher: torch.Tensor | None, top_k: int) -> tuple[torch.Tensor, ...]:
         # hidden [N, D] in the head's dtype, head [V, D], labels [N], weights [N] fp32, teacher [N, D] or None
         (N, _), V = hidden.shape, head.shape[0]
         grad = torch.empty_like(hidden)
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         hits = torch.empty(N, dtype=torch.bool, device=hidden.device)
+        top_values = torch.empty(N, top_k, dtype=torch.float32, device=hidden.device)  # [N, K] (K may be 0)
+        top_ids = torch.empty(N, top_k, dtype=torch.long, device=hidden.device)
         fp32_head = head.dtype == torch.float32
         with _WORKSPACE_LOCK:
             logits_buf = _scratch("logits", min(chunk, N), V, head.dtype, hidden.device)
@@ -57,6 +59,9 @@ class _HeadCrossEntropy(torch.autograd.Function):
                 top = logits.amax(-1, keepdim=True).float()
                 picked = logits.gather(1, y).float()
                 hits[rows] = (picked >= top).squeeze(1)  # argmax == label (a tie counts as a hit)
+                if top_k:  # DFlash 2's candidates, taken while the logits exist
+                    values, ids = logits.topk(top_k, -1)
+                    top_values[rows], top_ids[rows] = values.float(), ids
                 if q_buf is not None:  # the teacher's distribution, and Σ_v q_v·logit_v in place of logit[label]
                     q = q_buf[:n]
                     if fp32_head:
@@ -81,13 +86,13 @@ class _HeadCrossEntropy(torch.autograd.Function):
                 g = p if fp32_head else logits.copy_(p)  # back to the head's dtype, into the logits' buffer
                 torch.mm(g, head, out=grad[rows])
         ctx.save_for_backward(grad)
-        ctx.mark_non_differentiable(hits)
-        return loss, hits
+        ctx.mark_non_differentiable(hits, top_values, top_ids)
+        return loss, hits, top_values, top_ids
 
     @staticmethod
-    def backward(ctx, grad_loss: torch.Tensor, _grad_hits: torch.Tensor | None):
+    def backward(ctx, grad_loss: torch.Tensor, *_grad_non_differentiable: torch.Tensor | None):
         (grad,) = ctx.saved_tensors
-        return grad * grad_loss.to(grad.dtype), None, None, None, None, None
+        return grad * grad_loss.to(grad.dtype), None, None, None, None, None, None
 
 
 def head_cross_entropy(hidden: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
@@ -95,8 +100,17 @@ def head_cross_entropy(hidden: torch.Tensor, head: torch.Tensor, labels: torch.T
     """Σ_i w_i · CE(hidden_i · headᵀ, labels_i) as an fp32 scalar (differentiable in `hidden`), and
     whether each row's argmax is its label. Softmax math is fp32 whatever the matmuls' dtype.
     With `teacher` [N, D] the CE is against softmax(teacher_i · headᵀ) instead of the label."""
+    loss, hits, _, _ = head_cross_entropy_top_k(hidden, head, labels, weights, 0, chunk, teacher)
+    return loss, hits
+
+
+def head_cross_entropy_top_k(hidden: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+                             top_k: int, chunk: int = 2048, teacher: torch.Tensor | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """head_cross_entropy, and each row's `top_k` largest logits [N, K] (fp32, not differentiable) with their
+    ids [N, K], from the same pass over the head (DFlash 2's selector candidates cost no second matmul)."""
     if head.requires_grad:
         raise ValueError("head_cross_entropy is for a frozen head: it computes no gradient for it")
     if teacher is not None:
         teacher = teacher.detach().to(head.dtype)
-    return _HeadCrossEntropy.apply(hidden, head, labels, weights.float(), max(1, chunk), teacher)
+    return _HeadCrossEntropy.apply(hidden, head, labels, weights.float(), max(1, chunk), teacher, top_k)

@@ -80,6 +80,9 @@ class DFlashConfig:
     torch_dtype: str = "bfloat16"
     extra: dict[str, Any] = field(default_factory=dict)
 
+    ARCHITECTURE = "DFlashDraftModel"  # config.json's `architectures`
+    DFLASH_KEYS = ("mask_token_id", "target_layer_ids")  # what a checkpoint's `dflash_config` must hold
+
     # What the weights' meaning depends on: a resume under other values would load the tensors into a model
     # that reads them differently (block size, feature layers) or fail on a shape deep in load_state_dict.
     SHAPE = ("block_size", "target_layer_ids", "num_hidden_layers", "hidden_size", "intermediate_size",
@@ -97,8 +100,27 @@ class DFlashConfig:
         dflash = {"mask_token_id": mask, "target_layer_ids": ids}
         if draft_vocab:
             dflash["draft_vocab_size"] = draft_vocab
-        return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_act": "silu", **d,
+        return {"architectures": [self.ARCHITECTURE], "model_type": "qwen3", "hidden_act": "silu", **d,
                 "dflash_config": dflash, **self.extra}
+
+    @classmethod
+    def for_target(cls, target_config: Any, *, num_layers: int, block_size: int, layer_ids: list[int],
+                   mask_token_id: int, serve_dtype: str | None = None) -> DFlashConfig:
+        """The config of a drafter for this target (its HF config). `serve_dtype`: the dtype the target is
+        served in (its config.json's; the in-memory config of a target loaded for training says the training
+        dtype); default: `target_config`'s."""
+        t = target_config
+        rope_params = getattr(t, "rope_parameters", None) or {}
+        theta = rope_params.get("rope_theta", getattr(t, "rope_theta", 10000.0))
+        heads = t.num_attention_heads
+        return cls(
+            hidden_size=t.hidden_size, intermediate_size=t.intermediate_size, num_hidden_layers=num_layers,
+            num_attention_heads=heads, num_key_value_heads=getattr(t, "num_key_value_heads", heads),
+            head_dim=getattr(t, "head_dim", None) or t.hidden_size // heads, vocab_size=t.vocab_size,
+            block_size=block_size, num_target_layers=t.num_hidden_layers, target_layer_ids=layer_ids,
+            mask_token_id=mask_token_id, rms_norm_eps=t.rms_norm_eps, rope_theta=float(theta),
+            max_position_embeddings=getattr(t, "max_position_embeddings", 8192), torch_dtype=serve_dtype or dtype_name(t),
+        )
 
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> DFlashConfig:
@@ -193,13 +215,16 @@ class DecoderLayer(nn.Module):
 
 
 class DFlashDrafter(nn.Module):
+    layer_class: type[nn.Module] = DecoderLayer  # DFlash 2 swaps in its layer and config (model_dflash2.py)
+    config_class: type[DFlashConfig] = DFlashConfig
+
     def __init__(self, c: DFlashConfig) -> None:
         super().__init__()
         self.config = c
         k = len(c.target_layer_ids)
         self.fc = nn.Linear(k * c.hidden_size, c.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_class(c) for _ in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.register_buffer("draft_vocab", None)  # [K] ids when proposals are restricted
         if c.draft_vocab_size:
@@ -225,8 +250,9 @@ class DFlashDrafter(nn.Module):
         """The rows of the target's LM head weight [V, D] this drafter proposes from: [K, D], or all."""
         return head if self.draft_vocab is None else head.index_select(0, self.draft_vocab.to(head.device))
 
-    def propose(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
-        """Greedy proposals [Q] for hidden rows [Q, D] through the target's LM head (restricted, if set)."""
+    def propose(self, hidden: torch.Tensor, lm_head: nn.Module, anchor: torch.Tensor | None = None) -> torch.Tensor:
+        """Greedy proposals [Q] for hidden rows [Q, D] through the target's LM head (restricted, if set).
+        `anchor` (the block's first token) is unused here: DFlash drafts each slot alone, DFlash 2 walks from it."""
         if self.draft_vocab is None:
             return lm_head(hidden).argmax(-1)
         bias = getattr(lm_head, "bias", None)
@@ -270,23 +296,9 @@ class DFlashDrafter(nn.Module):
                     p.copy_(theirs[name])
 
     @classmethod
-    def for_target(cls, target_config: Any, *, num_layers: int, block_size: int, layer_ids: list[int],
-                   mask_token_id: int, serve_dtype: str | None = None) -> DFlashDrafter:
-        """`serve_dtype`: the dtype the target is served in (its config.json's; the in-memory config of a
-        target loaded for training says the training dtype); default: `target_config`'s."""
-        t = target_config
-        rope_params = getattr(t, "rope_parameters", None) or {}
-        theta = rope_params.get("rope_theta", getattr(t, "rope_theta", 10000.0))
-        heads = t.num_attention_heads
-        c = DFlashConfig(
-            hidden_size=t.hidden_size, intermediate_size=t.intermediate_size, num_hidden_layers=num_layers,
-            num_attention_heads=heads, num_key_value_heads=getattr(t, "num_key_value_heads", heads),
-            head_dim=getattr(t, "head_dim", None) or t.hidden_size // heads, vocab_size=t.vocab_size,
-            block_size=block_size, num_target_layers=t.num_hidden_layers, target_layer_ids=layer_ids,
-            mask_token_id=mask_token_id, rms_norm_eps=t.rms_norm_eps, rope_theta=float(theta),
-            max_position_embeddings=getattr(t, "max_position_embeddings", 8192), torch_dtype=serve_dtype or dtype_name(t),
-        )
-        return cls(c)
+    def for_target(cls, target_config: Any, **kw: Any) -> DFlashDrafter:
+        """A drafter for this target: DFlashConfig.for_target's keywords."""
+        return cls(DFlashConfig.for_target(target_config, **kw))
 
     def save(self, directory: Path) -> None:
         from safetensors.torch import save_file
@@ -300,6 +312,6 @@ class DFlashDrafter(nn.Module):
     def load(cls, directory: Path) -> DFlashDrafter:
         from safetensors.torch import load_file
 
-        model = cls(DFlashConfig.from_hf(json.loads((directory / "config.json").read_text())))
+        model = cls(cls.config_class.from_hf(json.loads((directory / "config.json").read_text())))
         model.load_state_dict(load_file(directory / "model.safetensors"))
         return model

@@ -37,9 +37,11 @@ from shared.store import Keys, Store
 from .blocks import Blocks, estimated_tau, label_states, make_blocks, sample_anchors
 from .data import SampleIndex, SampleSet, ShardCache, ShardFeed, epoch_order, load_samples
 from .dist import Dist
+from .drafters import arch_name, load_drafter, new_drafter
 from .features import Target
-from .loss import head_cross_entropy
+from .loss import head_cross_entropy, head_cross_entropy_top_k
 from .model import DFlashDrafter, dtype_name, feature_layer_ids, resolve_mask_token_id
+from .model_dflash2 import DFlash2Drafter
 
 log = logging.getLogger("dflash.trainer")
 
@@ -95,9 +97,8 @@ def build(cfg: Config, device: str) -> tuple[Target, DFlashDrafter, Any]:
                          f"{lm.config.vocab_size} ids")
     ids = list(t.target_layer_ids) or feature_layer_ids(n, t.num_feature_layers)
     on_disk = AutoConfig.from_pretrained(resolve_target(cfg.model.target), local_files_only=True)
-    drafter = DFlashDrafter.for_target(lm.config, num_layers=t.num_layers, block_size=t.block_size, layer_ids=ids,
-                                       mask_token_id=resolve_mask_token_id(tok, lm.config.vocab_size),
-                                       serve_dtype=dtype_name(on_disk))
+    drafter = new_drafter(t, lm.config, num_layers=t.num_layers, block_size=t.block_size, layer_ids=ids,
+                          mask_token_id=resolve_mask_token_id(tok, lm.config.vocab_size), serve_dtype=dtype_name(on_disk))
     if t.init == "target":
         drafter.init_from_target(lm.get_decoder().layers)
     drafter = drafter.to(device)
@@ -137,11 +138,14 @@ def sequence_blocks(sample: TokenizedSample, anchors_n: int, seed: int, step: in
 
 
 def sequence_loss(target: Target, drafter: DFlashDrafter, b: Blocks, chunk: int, scale: float, stats: dict,
-                  amp: torch.dtype | None, feats: torch.Tensor, final: torch.Tensor | None = None) -> None:
+                  amp: torch.dtype | None, feats: torch.Tensor, final: torch.Tensor | None = None,
+                  selector_weight: float = 1.0) -> None:
     """Drafter forward + backward of one sequence's blocks; adds to stats (loss numerator, per-slot hits).
     `feats` [S, k·D] come from the caller's batched target forward (in the target's dtype, fp32 on
     CPU); `amp` autocasts the drafter, and the head runs in that dtype. With the target's final hidden
-    states `final` [S, D], each label is the target's distribution at the position before it."""
+    states `final` [S, D], each label is the target's distribution at the position before it. A DFlash 2
+    drafter adds `selector_weight` × its selector loss over the head's top-K (CandidateSelector.loss),
+    and its hits are the selector's (what its walk would draft)."""
     c = drafter.config
     device = next(drafter.parameters()).device
     S, q_pos = feats.shape[0], b.q_pos.to(device)
@@ -153,7 +157,14 @@ def sequence_loss(target: Target, drafter: DFlashDrafter, b: Blocks, chunk: int,
     keep = torch.nonzero(w > 0).flatten()
     rows = drafter.vocab_rows(b.labels.to(device)[keep])
     teacher = None if final is None else label_states(final, q_pos[keep])
-    if drafter.draft_vocab is None:
+    if isinstance(drafter, DFlash2Drafter):
+        selector = drafter.candidate_selector
+        total, _, top_values, top_ids = head_cross_entropy_top_k(hidden[keep].to(head.dtype), head, rows, w[keep],
+                                                                 selector.top_k, chunk, teacher)
+        labels = b.labels.to(device)  # slot k−1's label is slot k's predecessor (slot 0's: the anchor itself)
+        picked, hits, _ = selector.loss(hidden[keep], labels[keep - 1], top_values, top_ids, labels[keep], w[keep])
+        total = total + selector_weight * picked
+    elif drafter.draft_vocab is None:
         total, hits = head_cross_entropy(hidden[keep].to(head.dtype), head, rows, w[keep], chunk, teacher)
     else:  # labels outside the draft vocabulary cannot be proposed: out of the loss, counted as misses
         inside = rows >= 0
@@ -326,7 +337,11 @@ class Trainer:
                 dest = tmp / key[len(prefix):]
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 self.store.get_file(key, dest)
-            loaded = DFlashDrafter.load(tmp / "drafter")
+            loaded = load_drafter(tmp / "drafter", f"run {self.run}: checkpoint {prefix}")
+            if arch_name(loaded) != arch_name(self.drafter):
+                raise ValueError(f"run {self.run}: the checkpoint {prefix} is a {arch_name(loaded)}, the config "
+                                 f"(trainer.arch = {self.cfg.trainer.arch}) a {arch_name(self.drafter)}; resume with "
+                                 "the checkpoint's arch, or train it under a new --run")
             changed = loaded.config.shape_differences(self.drafter.config)
             if changed:
                 raise ValueError(f"run {self.run}: the checkpoint {prefix} is of another drafter than the config "
@@ -435,7 +450,7 @@ class Trainer:
                 for b, (f, final) in zip(bs, feats, strict=True):
                     if b is not None:
                         sequence_loss(self.target, self.drafter, b, t.logits_chunk, 1.0 / weight_sum, stats, self.amp,
-                                      f, final)
+                                      f, final, t.selector_loss_weight)
             self.dist.sum_grads(list(self.drafter.parameters()))
             torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), t.grad_clip)
             self.opt.step()
