@@ -168,8 +168,14 @@ class EvalReport(Message, tag="eval_report"):
     tau: float = 0.0
     acceptance_histogram: list[int] = []  # index = tokens accepted in a cycle (bonus included)
     speedup: float = 0.0
-    lossless: bool = False
+    lossless: bool = False  # every output equal to plain greedy decoding, token for token (greedy runs only)
     mismatches: int = 0
+    temperature: float = 0.0  # > 0: sampled (lossless speculative sampling, not compared token by token)
+    top_p: float = 1.0
+    top_k: int = 0
+    seeds: int = 1
+    tau_per_seed: list[float] = []
+    tau_std: float = 0.0  # sample standard deviation of tau over seeds
 
 
 class Alert(Message, tag="alert"):

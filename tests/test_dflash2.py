@@ -277,22 +277,16 @@ def test_dflash2_trains_resumes_exactly_after_kill9_and_evals_losslessly(stack, 
     assert resumed.returncode != 0 and "lacks dflash_config.conv_kernel_size" in resumed.stderr, resumed.stderr[-2000:]
 
 
-def test_reference_dflash2_loads_the_checkpoint_and_decodes_as_our_eval(trained, tmp_path: Path,
-                                                                        monkeypatch) -> None:
+def test_reference_dflash2_loads_the_checkpoint_and_decodes_as_our_eval(trained, tmp_path: Path) -> None:
     """z-lab's `DFlash2DraftModel.from_pretrained` takes the trained checkpoint with no missing, unexpected or
     mismatched tensor, and its `dflash_generate` (greedy, fp32, CPU, the real SmolLM2 target) gives the
     same tokens and the same per-cycle acceptance lengths as our eval's decoding, prompt by prompt."""
     from services.trainer.eval import greedy, speculative
     from services.trainer.features import Target
     from shared.model import load_causal_lm, load_tokenizer
-    from tests.reference import reference_dflash_dir
+    from tests.reference import reference_model_module
 
-    monkeypatch.syspath_prepend(str(reference_dflash_dir()))
-    import dflash.model as ref
-
-    # Shim: the reference times its phases with torch.cuda.synchronize() whenever return_stats=True (the only
-    # way to get its acceptance lengths), which raises on a CPU-only torch; a plain clock there changes nothing else.
-    monkeypatch.setattr(ref, "_cuda_time", time.perf_counter)
+    ref = reference_model_module()  # imported from the reference's own install, with its CPU timer shim
 
     run, store = trained["run"], trained["store"]
     ckpt = json.loads(store.get_bytes(f"runs/{run}/checkpoints/latest.json"))["key"]

@@ -216,7 +216,8 @@ def test_checkpoint_layout_matches_public_dflash_drafters(tmp_path: Path) -> Non
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["architectures"] == ["DFlashDraftModel"]
     assert cfg["block_size"] == 8 and cfg["num_target_layers"] == 12 and cfg["num_hidden_layers"] == 2
-    assert cfg["dflash_config"] == {"mask_token_id": 0, "target_layer_ids": [1, 3, 5, 7, 9]}  # no draft vocabulary
+    assert cfg["dflash_config"] == {"mask_token_id": 0, "target_layer_ids": [1, 3, 5, 7, 9], "block_size": 8,
+                                    "num_target_layers": 12}  # no draft vocabulary
     with safe_open(tmp_path / "model.safetensors", "pt") as f:
         names = set(f.keys())
     assert "fc.weight" in names and "hidden_norm.weight" in names and "norm.weight" in names

@@ -8,16 +8,19 @@ Shapes: D hidden size, k feature layers, C context positions, Q = n_blocks·B qu
 - head:   the target's own embedding and LM head, frozen, not part of this module's weights.
 
 The checkpoint layout follows the public DFlash drafters: `config.json` with
-`architectures: ["DFlashDraftModel"]`, `block_size`, `num_target_layers`,
-`dflash_config: {mask_token_id, target_layer_ids}` and Qwen3-style layer names in
+`architectures: ["DFlashDraftModel"]`, `block_size`, `num_target_layers`, explicit `is_causal: false`,
+`layer_types` and `rope_parameters`, `dflash_config: {mask_token_id, target_layer_ids, block_size,
+num_target_layers}` and Qwen3-style layer names in
 `model.safetensors` (`layers.N.self_attn.{q,k,v,o}_proj`, `q_norm`, `k_norm`, `mlp.{gate,up,down}_proj`,
 `input_layernorm`, `post_attention_layernorm`, `norm`, `fc`, `hidden_norm`).
 
 A draft vocabulary (`trainer.draft_vocab = K`, off by default) restricts the drafter's proposals to
 the K tokens most frequent in the training labels, as EAGLE-3's: the frozen head's cost falls by V/K
 in training and drafting, and nothing else changes (the target verifies every proposal). It adds
-`dflash_config.draft_vocab_size` and a `draft_vocab` [K] id tensor to the checkpoint; an engine that
-does not know them would propose over the whole vocabulary.
+`dflash_config.draft_vocab_size` and a `draft_vocab` [K] id tensor to the checkpoint, which no engine
+serves: the reference reports `draft_vocab` as an unexpected tensor, SGLang skips it and vLLM reads only a
+top-level `draft_vocab_size` with its own `d2t` layout, so each proposes over the whole vocabulary and the
+drafter's measured τ is not what they would serve.
 """
 
 from __future__ import annotations
@@ -97,10 +100,17 @@ class DFlashConfig:
         d = asdict(self)
         ids, mask, draft_vocab = d.pop("target_layer_ids"), d.pop("mask_token_id"), d.pop("draft_vocab_size")
         d.pop("extra")
-        dflash = {"mask_token_id": mask, "target_layer_ids": ids}
+        # Engines guess what a config leaves out, and differently: vLLM defaults rope_theta to 1e6 and reads
+        # causality as is_causal → dflash_config.causal → "sliding layers are causal"; SGLang reads block_size
+        # and num_target_layers from dflash_config before the top level. So every such key is stated, in both places.
+        dflash = {"mask_token_id": mask, "target_layer_ids": ids, "block_size": d["block_size"],
+                  "num_target_layers": d["num_target_layers"]}
         if draft_vocab:
             dflash["draft_vocab_size"] = draft_vocab
-        return {"architectures": [self.ARCHITECTURE], "model_type": "qwen3", "hidden_act": "silu", **d,
+        attention = {"is_causal": False, "layer_types": ["full_attention"] * d["num_hidden_layers"],
+                     "use_sliding_window": False, "sliding_window": None, "attention_bias": False,
+                     "rope_parameters": {"rope_type": "default", "rope_theta": d["rope_theta"]}}
+        return {"architectures": [self.ARCHITECTURE], "model_type": "qwen3", "hidden_act": "silu", **d, **attention,
                 "dflash_config": dflash, **self.extra}
 
     @classmethod
