@@ -23,6 +23,8 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import psutil
+
 from shared.config import Config, data_dir
 
 STATE_FILE = "stack.json"
@@ -116,15 +118,15 @@ def ensure_credentials(root: Path) -> tuple[str, str]:
 def _pid_alive(pid: int, binary: str) -> bool:
     """Alive *and* still our binary (a recycled pid is not ours to signal)."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return False
-    if stat.rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+        proc = psutil.Process(pid)
+        if proc.status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+            return False
+        cmdline = proc.cmdline()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
         return False
     if not cmdline:  # briefly empty while a fresh process is still mapping itself in
         return True
-    return os.path.basename(cmdline.split(b"\0")[0].decode()) == os.path.basename(binary)
+    return os.path.basename(cmdline[0]) == os.path.basename(binary)
 
 
 class EmbeddedStack:
