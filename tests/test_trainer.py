@@ -659,3 +659,40 @@ def test_data_that_stops_growing_unfinished_is_trained_on_after_wait_for_data_s(
     history = progress_history(stack, run)
     assert {p.epoch for p in history.values()} == {0, 1}
     assert _checkpoint_state(stack, run)["cursor"]["partial"] == 1
+
+
+def test_an_unreadable_tokenized_shard_is_a_dead_letter_and_training_goes_on(stack, stack_env, tmp_path: Path) -> None:
+    """A tokenized shard announced but not readable (truncated, corrupt, another schema) is dead-lettered by
+    the trainer with the reason when it is announced; the good shards are trained on, and the bad key never
+    enters the checkpoint's shard table (before, it failed every pass: a crash loop)."""
+    import hashlib
+
+    run = new_run()
+    cfg = make_config(stack, run)
+    publish_tokenized(stack, run)
+    bad_key = f"runs/{run}/tokenized/ffff/w9-00000000.parquet"
+    garbage = b"PAR1" + bytes(range(64))  # a Parquet file cut short: the magic, then no footer
+    Store.open(cfg).put_bytes(bad_key, garbage)
+
+    async def announce_bad() -> None:
+        async with await Bus.connect(cfg.bus, "pytest", deadline_s=10) as bus:
+            await bus.publish(Subjects.tokenized(run), TokenizedShard(
+                run=run, key=bad_key, source_key="bad", fingerprint="ffff", num_samples=3, num_tokens=30,
+                num_supervised=12, sha256=hashlib.sha256(garbage).hexdigest()), msg_id=bad_key)
+
+    asyncio.run(announce_bad())
+    proc = _spawn(_env(stack_env, max_steps=2, checkpoint_every=2), run, tmp_path / "t.log", "train")
+    assert proc.wait(timeout=600) == 0, (tmp_path / "t.log").read_text()[-3000:]
+
+    async def letters():
+        async with await Bus.connect(cfg.bus, "pytest", deadline_s=10) as bus:
+            return await bus.dead_letters(run, "train")
+
+    dead = [d for _, d in asyncio.run(letters())]
+    assert len(dead) == 1 and bad_key in dead[0].error and "not a readable tokenized shard" in dead[0].error
+    store = Store.open(cfg)
+    from services.trainer.train import latest_key
+
+    prefix = json.loads(store.get_bytes(latest_key(run)))["key"]
+    state = torch.load(io.BytesIO(store.get_bytes(prefix + "state.pt")), weights_only=False)
+    assert state["step"] == 2 and bad_key not in state["cursor"]["shards"] and len(state["cursor"]["shards"]) == 1

@@ -21,6 +21,7 @@ import contextlib
 import hashlib
 import os
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,11 +30,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from shared.bus import Bus, Delivery, consumer_for
+from shared.bus import Bus, Delivery, Poison, consumer_for
 from shared.config import Config, data_dir
 from shared.messages import Subjects, TokenizedShard
 from shared.records import RecordError, TokenizedSample
-from shared.store import Store
+from shared.store import ChecksumMismatch, KeyNotFound, Store
 
 
 def newest_keys(shards: dict[str, tuple[str, int]]) -> list[str]:
@@ -59,8 +60,10 @@ class ShardFeed:
     heartbeats it); if the trainer stops first, the waiting ones are nak'ed for the next trainer.
     """
 
-    def __init__(self, bus: Bus, run: str, shards: dict[str, tuple[str, int]] | None = None) -> None:
+    def __init__(self, bus: Bus, run: str, shards: dict[str, tuple[str, int]] | None = None,
+                 index: SampleIndex | None = None) -> None:
         self.bus, self.run = bus, run
+        self.index = index  # when given, a shard is indexed before it is taken: an unreadable one is a dead letter
         # Announcements are tiny and wait for a checkpoint: a whole run's worth may be pending at once.
         # A crash-looping trainer gets them redelivered many times: that is not the message's fault.
         self.spec = consumer_for("train", run, max_ack_pending=100_000, max_deliver=1_000_000)
@@ -74,8 +77,13 @@ class ShardFeed:
 
     async def _handle(self, d: Delivery) -> None:
         e: TokenizedShard = d.data
-        if e.num_samples > 0:
-            self.shards.setdefault(e.key, (e.fingerprint, d.stream_seq))  # a key's first announcement
+        if e.num_samples > 0 and e.key not in self.shards:
+            if self.index is not None:
+                try:  # a truncated, corrupt or foreign shard never reaches a plan: it would fail every pass
+                    await asyncio.to_thread(self.index.add, [e.key])
+                except (RecordError, ChecksumMismatch, KeyNotFound) as err:
+                    raise Poison(f"tokenized shard {e.key}: {err}") from None
+            self.shards[e.key] = (e.fingerprint, d.stream_seq)  # a key's first announcement
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiting.append(done)
         await done  # acked (by the bus) when this returns: after the next checkpoint
@@ -200,12 +208,12 @@ class ShardCache:
         meta["start"] = offsets[:-1] - offsets[0]
         start, end = int(offsets[0]), int(offsets[-1])
         tok_path = self.tokens_path(key)
-        tmp = tok_path.with_name(f"{tok_path.name}.{os.getpid()}.tmp")
+        tmp = tok_path.with_name(f"{tok_path.name}.{os.getpid()}.{threading.get_ident()}.tmp")  # per writer thread
         with open(tmp, "wb") as f:
             f.write(ids.values.to_numpy()[start:end].astype("<i4", copy=False).tobytes())
             f.write(mask.values.to_numpy()[start:end].astype(np.uint8).tobytes())
         os.replace(tmp, tok_path)
-        tmp = meta_path.with_name(f"{meta_path.name}.{os.getpid()}.tmp.npy")
+        tmp = meta_path.with_name(f"{meta_path.name}.{os.getpid()}.{threading.get_ident()}.tmp.npy")
         np.save(tmp, meta)
         os.replace(tmp, meta_path)
 

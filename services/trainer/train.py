@@ -479,7 +479,7 @@ class Trainer:
         samples: SampleSet | None = None
         checkpoint_key: str | None = None
         heartbeat = ProgressLoop(self.bus, subject, lambda: self.last, 10.0) if self.dist.main else contextlib.nullcontext()
-        self.feed = ShardFeed(self.bus, self.run, self.cursor.shards) if self.dist.main else None
+        self.feed = ShardFeed(self.bus, self.run, self.cursor.shards, self.index) if self.dist.main else None
         async with heartbeat, self.feed or contextlib.nullcontext():
             if resumed:
                 samples = await asyncio.to_thread(self._samples, self.cursor.keys)
