@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import msgspec
@@ -30,7 +27,14 @@ from shared.config import TrainerConfig
 from shared.messages import EvalReport
 from shared.store import Keys, Store
 from tests.conftest import make_config, new_run
-from tests.test_trainer import TINY, _env, _latest_step, _spawn, progress_history, publish_tokenized
+from tests.test_trainer import (
+    TINY,
+    _env,
+    _spawn,
+    kill9_after_first_checkpoint_then_resume,
+    progress_history,
+    publish_tokenized,
+)
 
 TINY_TARGET = Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=8, num_attention_heads=4,
                           num_key_value_heads=2, head_dim=8, vocab_size=120, max_position_embeddings=256)
@@ -216,18 +220,7 @@ def test_dflash2_trains_resumes_exactly_after_kill9_and_evals_losslessly(stack, 
     run_b = new_run()
     publish_tokenized(stack, run_b)
     env = _env(stack_env, **DFLASH2)
-    b = _spawn(env, run_b, tmp_path / "b.log", "train")
-    deadline = time.monotonic() + 900
-    while _latest_step(store, run_b) < 3:
-        assert b.poll() is None, (tmp_path / "b.log").read_text()[-3000:]
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
-    os.killpg(b.pid, signal.SIGKILL)
-    b.wait()
-    assert _latest_step(store, run_b) < TINY["max_steps"]
-    b2 = _spawn(env, run_b, tmp_path / "b.log", "train")
-    assert b2.wait(timeout=900) == 0, (tmp_path / "b.log").read_text()[-3000:]
-    assert "resumed from" in (tmp_path / "b.log").read_text()
+    kill9_after_first_checkpoint_then_resume(env, store, run_b, tmp_path / "b.log", timeout_s=900)
 
     ha, hb = progress_history(stack, run_a), progress_history(stack, run_b)
     assert sorted(ha) == sorted(hb) == list(range(1, TINY["max_steps"] + 1))

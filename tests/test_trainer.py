@@ -397,6 +397,23 @@ def _latest_step(store: Store, run: str) -> int:
     return checkpoint_step(store, run) or 0
 
 
+def kill9_after_first_checkpoint_then_resume(env: dict, store: Store, run: str, log: Path, *, timeout_s: float) -> None:
+    """Train `run`, kill -9 it once its first checkpoint (step 3) is in S3, start it again, and check that the
+    second process resumed from that checkpoint and finished."""
+    b = _spawn(env, run, log, "train")
+    deadline = time.monotonic() + timeout_s
+    while _latest_step(store, run) < 3:
+        assert b.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    os.killpg(b.pid, signal.SIGKILL)
+    b.wait()
+    assert _latest_step(store, run) < TINY["max_steps"]
+    b2 = _spawn(env, run, log, "train")
+    assert b2.wait(timeout=timeout_s) == 0, log.read_text()[-3000:]
+    assert "resumed from" in log.read_text()
+
+
 def test_train_kill9_resume_is_exact_and_eval_is_lossless(stack, stack_env, tmp_path: Path) -> None:
     run_a, run_b = new_run(), new_run()
     publish_tokenized(stack, run_a)
@@ -412,19 +429,7 @@ def test_train_kill9_resume_is_exact_and_eval_is_lossless(stack, stack_env, tmp_
     assert a.wait(timeout=600) == 0, (tmp_path / "a.log").read_text()[-3000:]
 
     # B: kill -9 right after the first checkpoint, then restart
-    b = _spawn(env, run_b, tmp_path / "b.log", "train")
-    deadline = time.monotonic() + 600
-    while _latest_step(store, run_b) < 3:
-        assert b.poll() is None, (tmp_path / "b.log").read_text()[-3000:]
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
-    os.killpg(b.pid, signal.SIGKILL)
-    b.wait()
-    killed_at = _latest_step(store, run_b)
-    assert killed_at < TINY["max_steps"]
-    b2 = _spawn(env, run_b, tmp_path / "b.log", "train")
-    assert b2.wait(timeout=600) == 0, (tmp_path / "b.log").read_text()[-3000:]
-    assert "resumed from" in (tmp_path / "b.log").read_text()
+    kill9_after_first_checkpoint_then_resume(env, store, run_b, tmp_path / "b.log", timeout_s=600)
 
     ha, hb = progress_history(stack, run_a), progress_history(stack, run_b)
     assert sorted(ha) == sorted(hb) == list(range(1, TINY["max_steps"] + 1))
