@@ -20,6 +20,7 @@ import torch
 from services.trainer.eval import GREEDY, Sampling, greedy, speculative, verify
 from services.trainer.features import Target
 from services.trainer.model import DFlashDrafter, feature_layer_ids
+from services.trainer.model_dflash2 import DFlash2Config, DFlash2Drafter
 
 P_MIN = 1e-3
 
@@ -54,22 +55,29 @@ class MarkovPair:
         self.target = torch.randn(V, V, generator=g) * 1.5
         self.drafter = torch.randn(V, V, generator=g) * 1.5 + 2.0 * torch.eye(V).roll(1, 1)
 
+    def chain(self, last: int, n_drafts: int, q_sampling: Sampling, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """The drafter samples its own chain from `last`: drafts [n], q [n, V]."""
+        drafts, qs, prev = [], [], last
+        for _ in range(n_drafts):
+            q = q_sampling.probs(self.drafter[prev])
+            prev = int(torch.multinomial(q, 1, generator=g))
+            drafts.append(prev)
+            qs.append(q)
+        return torch.tensor(drafts), torch.stack(qs)
+
     def first_two(self, anchor: int, n_drafts: int, sampling: Sampling, q_sampling: Sampling,
-                  rule: Callable, g: torch.Generator) -> tuple[int, int]:
-        """Speculative cycles from `anchor` until two tokens are out; the drafter samples its own chain."""
+                  rule: Callable, g: torch.Generator, draft: Callable | None = None) -> tuple[int, int]:
+        """Speculative cycles from `anchor` until two tokens are out. `draft(last, g) -> (drafts, q)` proposes
+        (default: the Markov drafter's own chain of `n_drafts`)."""
+        draft = draft or (lambda last, g: self.chain(last, n_drafts, q_sampling, g))
         out: list[int] = []
         last = anchor
         while len(out) < 2:
-            drafts, qs, prev = [], [], last
-            for _ in range(n_drafts):
-                q = q_sampling.probs(self.drafter[prev])
-                prev = int(torch.multinomial(q, 1, generator=g))
-                drafts.append(prev)
-                qs.append(q)
-            chain = [last, *drafts]
+            drafts, q = draft(last, g)
+            chain = [last, *drafts.tolist()]
             logits = torch.stack([self.target[t] for t in chain])  # after the anchor, after each draft
-            accepted, following = rule(torch.tensor(drafts), torch.stack(qs), logits, sampling, g)
-            out += [*drafts[:accepted], following]
+            accepted, following = rule(drafts, q, logits, sampling, g)
+            out += [*drafts[:accepted].tolist(), following]
             last = out[-1]
         return out[0], out[1]
 
@@ -86,6 +94,32 @@ def test_speculative_sampling_matches_the_targets_distribution(sampling: Samplin
     counts = Counter(pair.first_two(0, 3, sampling, Sampling(1.0), verify, g) for _ in range(n))
     stat, p = chi_square_p(counts, pair.expected_first_two(0, sampling), n)
     assert p > P_MIN, f"chi-square {stat:.1f}, p = {p:.2e}: the speculative sampler is not the target's distribution"
+
+
+def test_a_dflash2_selector_walk_as_the_proposal_is_lossless() -> None:
+    """DFlash 2 drafts are a chain: each slot's candidate is drawn given the one drawn before it, over only
+    its top-K candidates (q is 0 elsewhere). The walk's q (`DFlash2Drafter.sample`) fed to `verify` still
+    gives the target's distribution."""
+    torch.manual_seed(3)
+    V, D = 5, 16
+    c = DFlash2Config(hidden_size=D, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=8, vocab_size=V, block_size=4, num_target_layers=1,
+                      target_layer_ids=[0], mask_token_id=0, conv_group_size=8, selector_rank=4, selector_top_k=3)
+    drafter = DFlash2Drafter(c)
+    torch.nn.init.normal_(drafter.candidate_selector.hidden_projection.weight)  # the pair term matters
+    hidden, lm_head = torch.randn(3, D), torch.nn.Linear(D, V, bias=False)
+
+    def draft(last: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            return drafter.sample(hidden, lm_head, torch.tensor(last), 1.0, g)
+
+    sampling, pair, n, g = Sampling(1.0), MarkovPair(V), 6000, torch.Generator().manual_seed(99)
+    drafts, q = draft(0, g)
+    assert q.shape == (3, V) and torch.allclose(q.sum(-1), torch.ones(3)) and int((q > 0).sum(-1).max()) <= 3
+    assert bool((q[torch.arange(3), drafts] > 0).all())  # each draft was drawn from its row
+    counts = Counter(pair.first_two(0, 3, sampling, sampling, verify, g, draft) for _ in range(n))
+    stat, p = chi_square_p(counts, pair.expected_first_two(0, sampling), n)
+    assert p > P_MIN, f"chi-square {stat:.1f}, p = {p:.2e}: the selector walk's q is not the drafts' distribution"
 
 
 def test_a_wrong_correction_rule_fails_the_same_check() -> None:
@@ -129,11 +163,23 @@ def real(target_dir: Path):
     return Target(lm, ids), d.eval(), prompt
 
 
-def test_real_speculative_sampling_first_tokens_follow_the_target(real) -> None:
+@pytest.fixture(scope="module")
+def real_dflash2(real):
+    target, _, prompt = real
+    torch.manual_seed(0)
+    d = DFlash2Drafter.for_target(target.model.config, num_layers=1, block_size=4, layer_ids=target.layer_ids,
+                                  mask_token_id=0, selector_rank=16, selector_top_k=4)
+    d.init_from_target(target.model.model.layers)
+    torch.nn.init.normal_(d.candidate_selector.hidden_projection.weight, std=0.02)  # the pair term matters
+    return target, d.eval(), prompt
+
+
+@pytest.mark.parametrize("arch", ["dflash", "dflash2"])
+def test_real_speculative_sampling_first_tokens_follow_the_target(arch, real, real_dflash2) -> None:
     """At a fixed context, the joint distribution of the first two tokens of the speculative sampler (the
     first from the prefill, the second from a drafted-and-verified cycle) matches the target's own,
-    computed from its logits. top-k 3 keeps it to 9 cells."""
-    target, drafter, prompt = real
+    computed from its logits. top-k 3 keeps it to 9 cells. DFlash 2 drafts by its selector walk."""
+    target, drafter, prompt = real if arch == "dflash" else real_dflash2
     sampling, n = Sampling(1.0, top_k=3), 300
     counts = Counter()
     for seed in range(n):
@@ -149,8 +195,9 @@ def test_real_speculative_sampling_first_tokens_follow_the_target(real) -> None:
     assert p > P_MIN, f"chi-square {stat:.1f}, p = {p:.2e}; counts {dict(counts)}"
 
 
-def test_real_sampled_eval_is_reproducible_per_seed_and_greedy_unchanged(real) -> None:
-    target, drafter, prompt = real
+@pytest.mark.parametrize("arch", ["dflash", "dflash2"])
+def test_real_sampled_eval_is_reproducible_per_seed_and_greedy_unchanged(arch, real, real_dflash2) -> None:
+    target, drafter, prompt = real if arch == "dflash" else real_dflash2
     sampling = Sampling(0.7, top_p=0.95)
     a = speculative(target, drafter, prompt, 24, set(), sampling, torch.Generator().manual_seed(5))
     b = speculative(target, drafter, prompt, 24, set(), sampling, torch.Generator().manual_seed(5))

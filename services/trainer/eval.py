@@ -80,13 +80,13 @@ def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
 def propose_dflash(drafter: DFlashDrafter, hidden: torch.Tensor, anchor: int, lm_head: Any, sampling: Sampling,
                    generator: torch.Generator | None) -> Proposal:
     """DFlash's proposal: each slot independently, greedy or sampled from its own warped distribution
-    (restricted to the draft vocabulary when the drafter has one). `anchor` is unused here (a selector
-    walk starts from it)."""
+    (restricted to the draft vocabulary when the drafter has one). A DFlash 2 drafter walks its candidates
+    from the `anchor` instead, greedy or sampled at the same temperature (`DFlash2Drafter.sample`)."""
     if sampling.greedy:  # DFlash 2: the selector's walk from the anchor
         return drafter.propose(hidden, lm_head, anchor=torch.as_tensor(anchor, device=hidden.device)), None
-    if getattr(drafter, "candidate_selector", None) is not None:
-        raise ValueError("dfpipe eval: sampled decoding (--temperature > 0) of a DFlash 2 drafter is not built yet; "
-                         "its selector walk is evaluated greedily (--temperature 0)")
+    if getattr(drafter, "candidate_selector", None) is not None:  # DFlash 2: the walk, sampled
+        return drafter.sample(hidden, lm_head, torch.as_tensor(anchor, device=hidden.device), sampling.temperature,
+                              generator)
     weight = drafter.head_rows(lm_head.weight)
     bias = getattr(lm_head, "bias", None)
     rows = sampling.probs(torch.nn.functional.linear(hidden, weight, None if bias is None else

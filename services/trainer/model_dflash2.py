@@ -196,6 +196,15 @@ class DFlash2Drafter(DFlashDrafter):
             raise ValueError("a DFlash 2 drafter walks from the block's anchor token: pass anchor=")
         return self.candidate_selector.walk(hidden, lm_head(hidden), anchor)[0]
 
+    def sample(self, hidden: torch.Tensor, lm_head: nn.Module, anchor: torch.Tensor, temperature: float,
+               generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sampled drafts [T] by the selector's walk, and their proposal distribution q [T, V] over the whole
+        vocabulary: row t is the walk's softmax over slot t's candidates given the draft drawn before it (0
+        outside them), which is what lossless rejection sampling needs of a chain of dependent drafts."""
+        tokens, candidates, q_top = self.candidate_selector.walk(hidden, lm_head(hidden), anchor, temperature, generator)
+        q = torch.zeros(hidden.shape[0], self.config.vocab_size, device=hidden.device)
+        return tokens, q.scatter_(1, candidates, q_top)
+
     @classmethod
     def for_target(cls, target_config: Any, *, conv_kernel_size: int = 2, conv_group_size: int = 16,
                    selector_rank: int = 256, selector_top_k: int = 16, **kw: Any) -> DFlash2Drafter:
