@@ -1,6 +1,6 @@
 """NATS JetStream: the only module that imports `nats`.
 
-It owns the stream/consumer table, publishing with `Nats-Msg-Id`, and the worker loop
+It owns the consumers (the stream table is in shared.topology), publishing with `Nats-Msg-Id`, and the worker loop
 (fetch → handle → ack / nak with backoff / dead letter), so that a service only writes a
 handler. The loop's rules, in one place:
 
@@ -43,48 +43,15 @@ from nats.aio.msg import Msg
 from nats.js import api
 
 from shared.config import BusConfig
-from shared.messages import Alert, DeadLetter, Message, MessageError, Subjects, decode, encode
+from shared.messages import Alert, DeadLetter, Message, MessageError, decode, encode
+from shared.topology import Subjects, stage_input, streams
 
 log = logging.getLogger("dflash.bus")
 
 MSG_ID = "Nats-Msg-Id"
 
 
-# --- the declarative table ---------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class StreamSpec:
-    name: str
-    subjects: tuple[str, ...]
-    description: str
-    work_queue: bool = False
-    max_age_s: float = 0.0  # 0: keep forever
-    max_msgs_per_subject: int = -1
-    discard_new_per_subject: bool = False
-    duplicate_window_s: float | None = None  # None: the bus config's
-
-
-def streams(cfg: BusConfig) -> list[StreamSpec]:
-    return [
-        StreamSpec(
-            "PROMPTS", ("dflash.*.generate.task",), "prompt work queue: one PromptTask per prompt",
-            work_queue=True,
-        ),
-        StreamSpec(
-            "REGISTRY", ("dflash.*.feed.registry.*",),
-            "one message per fed prompt: dedupe that survives server restarts",
-            max_msgs_per_subject=1, discard_new_per_subject=True, duplicate_window_s=120.0,
-        ),
-        StreamSpec("SHARDS", ("dflash.*.generate.shard",), "ShardWritten log (replayable)"),
-        StreamSpec("TOKENIZED", ("dflash.*.tokenize.shard",), "TokenizedShard log (replayable)"),
-        StreamSpec(
-            "PROGRESS", ("dflash.*.*.progress.*", "dflash.*.*.alert"),
-            "progress heartbeats and alerts, kept for max_age so a late dashboard sees history",
-            max_age_s=cfg.progress_max_age_s, duplicate_window_s=60.0,
-        ),
-        StreamSpec("DEADLETTER", ("dflash.*.*.deadletter",), "messages the pipeline gave up on, with the error"),
-    ]
+# --- consumers (the stream table is shared.topology's) -------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -101,12 +68,7 @@ class ConsumerSpec:
 def consumer_for(stage: str, run: str, *, ack_wait_s: float = 60.0, max_ack_pending: int = 256,
                  max_deliver: int = 5) -> ConsumerSpec:
     """The durable consumer each stage shares between all its workers, one per run."""
-    table = {
-        "generate": ("PROMPTS", Subjects.prompts(run)),
-        "tokenize": ("SHARDS", Subjects.shards(run)),
-        "train": ("TOKENIZED", Subjects.tokenized(run)),
-    }
-    stream, subject = table[stage]
+    stream, subject = stage_input(stage, run)
     return ConsumerSpec(stream, f"{stage}-{run}", subject, ack_wait_s, max_ack_pending, max_deliver, stage)
 
 
@@ -400,7 +362,7 @@ class Bus:
                     f"on NATS at {self.cfg.url})")
         for spec in streams(self.cfg):  # one direct lookup per stream: cost independent of the run's size
             with contextlib.suppress(nats.js.errors.NotFoundError):
-                await self.js.get_last_msg(spec.name, f"dflash.{run}.>")
+                await self.js.get_last_msg(spec.name, Subjects.whole_run(run))
                 return ""
         return f"no run {run!r} on this stack: nothing was fed to it and no service reported for it (check the name)"
 
@@ -422,8 +384,7 @@ class Bus:
                   md.num_delivered, error.splitlines()[-1] if error else "")
 
     async def dead_letters(self, run: str, stage: str = "*") -> list[tuple[int, DeadLetter]]:
-        subject = f"dflash.{run}.{stage}.deadletter"
-        return [item async for item in self.replay("DEADLETTER", subject, 1, DeadLetter)]
+        return [item async for item in self.replay("DEADLETTER", Subjects.deadletter(run, stage), 1, DeadLetter)]
 
     async def replay_dead_letters(self, run: str, stage: str = "*", *, only: Callable[[DeadLetter], bool] | None = None) -> int:
         """Put dead-lettered messages back where they came from; each is then removed from DEADLETTER.

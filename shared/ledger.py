@@ -37,8 +37,9 @@ import numpy as np
 
 from shared.bus import Bus
 from shared.config import Config
-from shared.messages import Alert, ShardWritten, Subjects, TokenizedShard
-from shared.store import KeyNotFound, Keys, Store, StoreError
+from shared.messages import Alert, ShardWritten, TokenizedShard
+from shared.store import KeyNotFound, Store, StoreError
+from shared.topology import Keys, Subjects
 
 log = logging.getLogger("dflash.ledger")
 

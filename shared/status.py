@@ -20,8 +20,9 @@ import nats.js.errors
 from shared.bus import Bus
 from shared.config import Config
 from shared.ledger import RunLedger
-from shared.messages import Alert, GeneratorProgress, Message, Subjects, TrainerProgress
+from shared.messages import Alert, GeneratorProgress, Message, TrainerProgress
 from shared.store import Store
+from shared.topology import Subjects
 
 SILENT_S = 120.0
 

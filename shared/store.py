@@ -30,6 +30,9 @@ from minio.error import S3Error, ServerError
 
 from shared.config import Config, StoreConfig, data_dir
 
+# Re-exported for modules outside this change that still import it from here (services/trainer/train.py).
+from shared.topology import Keys  # noqa: F401
+
 log = logging.getLogger("dflash.store")
 T = TypeVar("T")
 
@@ -335,50 +338,3 @@ class Store:
 
     def uri(self, key: str) -> str:
         return f"s3://{self.bucket}/{key}"
-
-
-class Keys:
-    """Deterministic object keys: every artifact of a run lives under `runs/<run>/`."""
-
-    @staticmethod
-    def manifest(run: str) -> str:
-        return f"runs/{run}/manifest.json"
-
-    @staticmethod
-    def run_config(run: str) -> str:
-        return f"runs/{run}/config.json"
-
-    @staticmethod
-    def rejects(run: str) -> str:
-        return f"runs/{run}/rejects.jsonl"
-
-    @staticmethod
-    def completions(run: str, worker: str, seq: int) -> str:
-        return f"runs/{run}/completions/{worker}/{seq:08d}.parquet"
-
-    @staticmethod
-    def tokenized(run: str, fingerprint: str, shard_name: str) -> str:
-        return f"runs/{run}/tokenized/{fingerprint}/{shard_name}.parquet"
-
-    @staticmethod
-    def tokenized_drops(run: str, fingerprint: str, shard_name: str) -> str:
-        """The records a tokenized shard's build dropped, with reasons (JSON lines; only when there are any)."""
-        return f"runs/{run}/tokenized/{fingerprint}/drops/{shard_name}.jsonl"
-
-    @staticmethod
-    def tokenizer_gate(run: str, fingerprint: str) -> str:
-        """The tripped quality gate of a run's tokenizing under one template fingerprint (JSON Alert)."""
-        return f"runs/{run}/tokenized/{fingerprint}/gate.json"
-
-    @staticmethod
-    def ledger(run: str) -> str:
-        """The run ledger's snapshot (shared.ledger): a fold of the run's logs up to per-stream sequences."""
-        return f"runs/{run}/ledger/snapshot.bin"
-
-    @staticmethod
-    def checkpoint(run: str, step: int) -> str:
-        return f"runs/{run}/checkpoints/step-{step:08d}/"
-
-    @staticmethod
-    def eval_report(run: str) -> str:
-        return f"runs/{run}/eval/report.json"

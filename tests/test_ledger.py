@@ -23,9 +23,10 @@ import shared.ledger as ledger_mod
 from shared.bus import Bus
 from shared.config import Config
 from shared.ledger import SCHEMA, Ledger, PromptSet, RunLedger, prompt_hash, prompt_hashes
-from shared.messages import Alert, DeadLetter, Message, ShardWritten, Subjects, TokenizedShard
+from shared.messages import Alert, DeadLetter, Message, ShardWritten, TokenizedShard
 from shared.status import picture, run_status
-from shared.store import Keys, Store
+from shared.store import Store
+from shared.topology import Keys, Subjects
 
 # --- the reference: the replay every status call made before the ledger, with plain Python sets --------
 

@@ -16,9 +16,10 @@ import time
 from collections.abc import Callable
 
 from shared.bus import Bus, Poison, halts
-from shared.messages import ShardWritten, Subjects
+from shared.messages import ShardWritten
 from shared.records import CompletionRecord, completions_to_parquet, read_completions
-from shared.store import Keys, ObjectConflict, Store
+from shared.store import ObjectConflict, Store
+from shared.topology import Keys, Subjects
 
 log = logging.getLogger("dflash.generator.shards")
 
@@ -53,9 +54,9 @@ class ShardWriter:
         self._flushes: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
-        prefix = f"runs/{self.run}/completions/{self.worker}/"
+        prefix = Keys.completions_prefix(self.run, self.worker)
         keys = await asyncio.to_thread(lambda: list(self.store.list(prefix)))
-        seqs = [int(k[len(prefix):].split(".")[0]) for k in keys if k.endswith(".parquet")]
+        seqs = [seq for k in keys if (seq := Keys.completions_seq(prefix, k)) is not None]
         if seqs:
             self.seq = max(seqs) + 1
             await self._announce_last(max(seqs))
