@@ -8,8 +8,8 @@ Subjects: `dflash.<run>.<stage>.<event>[.<worker or prompt>]`. Stage is one of f
 tokenize, train, eval (and run, for the pipeline's own alerts). Progress subjects end with the worker
 so that a LAST_PER_SUBJECT consumer yields every worker's latest state.
 
-Pass `ANY` ("*") for a token to get the filter that matches every value of it (e.g. all progress
-of a run); any other run, stage or worker name is checked by `check_name`, so a name with a dot or
+Pass `ANY` ("*") for a token to get the filter that matches every value of it (e.g. every worker's
+progress of every stage of a run: `Subjects.progress(run, ANY, ANY)`); any other run, stage or worker name is checked by `check_name`, so a name with a dot or
 a slash can never change a subject's or a key's shape.
 """
 
@@ -70,38 +70,17 @@ class Subjects:
         return _subject(run, stage, "progress", _token("worker", worker))
 
     @staticmethod
-    def stage_progress(run: str, stage: str) -> str:
-        """Every worker's progress of one stage (a filter)."""
-        return Subjects.progress(run, stage, ANY)
-
-    @staticmethod
-    def all_progress(run: str = ANY) -> str:
-        return Subjects.progress(run, ANY, ANY)
-
-    @staticmethod
     def alert(run: str, stage: str) -> str:
         return _subject(run, stage, "alert")
-
-    @staticmethod
-    def all_alerts(run: str = ANY) -> str:
-        return Subjects.alert(run, ANY)
 
     @staticmethod
     def deadletter(run: str, stage: str) -> str:
         return _subject(run, stage, "deadletter")
 
     @staticmethod
-    def all_deadletters(run: str = ANY) -> str:
-        return Subjects.deadletter(run, ANY)
-
-    @staticmethod
     def registry(run: str, prompt_id: str) -> str:
         """One subject per prompt in the task registry: survives server restarts, unlike the dedupe window."""
         return _subject(run, "feed", "registry", _token("prompt_id", prompt_id))
-
-    @staticmethod
-    def all_registry(run: str) -> str:
-        return Subjects.registry(run, ANY)
 
     @staticmethod
     def whole_run(run: str) -> str:
@@ -140,11 +119,11 @@ def streams(cfg: BusConfig) -> list[StreamSpec]:
         StreamSpec("SHARDS", (Subjects.shards(ANY),), "ShardWritten log (replayable)"),
         StreamSpec("TOKENIZED", (Subjects.tokenized(ANY),), "TokenizedShard log (replayable)"),
         StreamSpec(
-            "PROGRESS", (Subjects.all_progress(), Subjects.all_alerts()),
+            "PROGRESS", (Subjects.progress(ANY, ANY, ANY), Subjects.alert(ANY, ANY)),
             "progress heartbeats and alerts, kept for max_age so a late dashboard sees history",
             max_age_s=cfg.progress_max_age_s, duplicate_window_s=60.0,
         ),
-        StreamSpec("DEADLETTER", (Subjects.all_deadletters(),), "messages the pipeline gave up on, with the error"),
+        StreamSpec("DEADLETTER", (Subjects.deadletter(ANY, ANY),), "messages the pipeline gave up on, with the error"),
     ]
 
 
@@ -161,30 +140,38 @@ def stage_input(stage: str, run: str) -> tuple[str, str]:
 # --- object keys -------------------------------------------------------------------------------
 
 
+def _folder(run: str, *parts: str | None) -> str:
+    """`runs/<run>/` and the parts that are given, each a folder."""
+    return f"runs/{check_name('run', run)}/" + "".join(f"{p}/" for p in parts if p)
+
+
 class Keys:
     """Deterministic object keys: every artifact of a run lives under `runs/<run>/`."""
 
     @staticmethod
     def run(run: str) -> str:
         """The prefix of everything a run stores."""
-        return f"runs/{check_name('run', run)}/"
+        return _folder(run)
 
     @staticmethod
     def manifest(run: str) -> str:
+        """The feeder's per-source counts and totals (JSON)."""
         return Keys.run(run) + "manifest.json"
 
     @staticmethod
     def run_config(run: str) -> str:
+        """The run's resolved config (JSON)."""
         return Keys.run(run) + "config.json"
 
     @staticmethod
     def rejects(run: str) -> str:
+        """The records the feeder refused, with reasons (JSON lines; one source's lines replaced per feed)."""
         return Keys.run(run) + "rejects.jsonl"
 
     @staticmethod
     def completions_prefix(run: str, worker: str | None = None) -> str:
         """Every completions shard of a run, or of one worker."""
-        return Keys.run(run) + "completions/" + (f"{check_name('worker', worker)}/" if worker else "")
+        return _folder(run, "completions", check_name("worker", worker) if worker else None)
 
     @staticmethod
     def completions(run: str, worker: str, seq: int) -> str:
@@ -200,7 +187,7 @@ class Keys:
     @staticmethod
     def tokenized_prefix(run: str, fingerprint: str | None = None) -> str:
         """Every tokenized shard of a run, or of one template fingerprint."""
-        return Keys.run(run) + "tokenized/" + (f"{fingerprint}/" if fingerprint else "")
+        return _folder(run, "tokenized", fingerprint)
 
     @staticmethod
     def tokenized(run: str, fingerprint: str, shard_name: str) -> str:
@@ -223,10 +210,11 @@ class Keys:
 
     @staticmethod
     def checkpoints_prefix(run: str) -> str:
-        return Keys.run(run) + "checkpoints/"
+        return _folder(run, "checkpoints")
 
     @staticmethod
     def checkpoint(run: str, step: int) -> str:
+        """One checkpoint's folder: everything a resume needs."""
         return Keys.checkpoints_prefix(run) + f"step-{step:08d}/"
 
     @staticmethod
@@ -236,4 +224,5 @@ class Keys:
 
     @staticmethod
     def eval_report(run: str) -> str:
+        """`dfpipe eval`'s report (JSON EvalReport)."""
         return Keys.run(run) + "eval/report.json"
