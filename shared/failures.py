@@ -31,6 +31,7 @@ import errno
 import logging
 import random
 import re
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -86,7 +87,8 @@ class GaveUp(Exception):
 
 # --- classification -----------------------------------------------------------------------------
 
-_TRANSIENT: list[type[BaseException]] = [ConnectionError, TimeoutError]
+# socket.gaierror: a host name that does not resolve now (DNS) may resolve later.
+_TRANSIENT: list[type[BaseException]] = [ConnectionError, TimeoutError, socket.gaierror]
 _NETWORK_ERRNOS = {errno.ENETUNREACH, errno.EHOSTUNREACH, errno.ENETDOWN, errno.ENETRESET, errno.ECONNABORTED,
                    errno.ECONNREFUSED, errno.ECONNRESET, errno.ETIMEDOUT, errno.EPIPE, errno.EAGAIN}
 
@@ -97,14 +99,13 @@ def declare_transient(*types: type[BaseException]) -> None:
 
 
 def classify(e: BaseException) -> Failure:
+    """What `e` means: its declared `failure`, else transient if it is a declared or a network error, else ERROR."""
     declared = getattr(e, "failure", None)
     if isinstance(declared, Failure):
         return declared
     if isinstance(e, tuple(_TRANSIENT)):
         return Failure.TRANSIENT
     if isinstance(e, OSError) and e.errno in _NETWORK_ERRNOS:
-        return Failure.TRANSIENT
-    if type(e).__name__ == "gaierror":  # socket.gaierror: a name that does not resolve now (DNS) may later
         return Failure.TRANSIENT
     return Failure.ERROR
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import socket
 import time
 
 import nats.errors
@@ -35,6 +36,7 @@ from shared.store import (
     (ConnectionRefusedError(errno.ECONNREFUSED, "refused"), Failure.TRANSIENT),
     (TimeoutError(), Failure.TRANSIENT),
     (OSError(errno.EHOSTUNREACH, "no route to host"), Failure.TRANSIENT),
+    (socket.gaierror(-3, "Temporary failure in name resolution"), Failure.TRANSIENT),
     (nats.errors.NoServersError(), Failure.TRANSIENT),
     (nats.errors.TimeoutError(), Failure.TRANSIENT),
     (urllib3.exceptions.NewConnectionError(None, "refused"), Failure.TRANSIENT),
