@@ -21,9 +21,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shared.bus import Bus, WorkStats, consumer_for
 from shared.config import BusConfig, StoreConfig
-from shared.messages import ChatMessage, PromptTask, Subjects
+from shared.messages import ChatMessage, PromptTask
 from shared.stack import EmbeddedStack, Ports
 from shared.store import Store
+from shared.topology import Subjects
 
 N_MSGS = 50_000
 

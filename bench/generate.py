@@ -55,8 +55,9 @@ async def pipeline(backend, stack, prompts: list[str], round_: int, tmp: Path) -
     from services.feeder.feed import Feeder
     from services.generator.service import Generator
     from shared.bus import Bus
-    from shared.messages import ShardWritten, Subjects, decode
+    from shared.messages import ShardWritten, decode
     from shared.store import Store
+    from shared.topology import Subjects
 
     cfg = bench_config(stack, f"benchgen{round_}{os.getpid()}",
                        generator={"max_inflight": INFLIGHT, "batch_size": INFLIGHT, "shard_records": 16},

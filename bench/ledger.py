@@ -29,9 +29,10 @@ from common import ROOT, bench_config, bench_stack, table, write_result
 from shared.bus import Bus
 from shared.config import Config
 from shared.ledger import Ledger, RunLedger
-from shared.messages import Message, ShardWritten, Subjects, TokenizedShard
+from shared.messages import Message, ShardWritten, TokenizedShard
 from shared.status import run_status
-from shared.store import Keys, Store
+from shared.store import Store
+from shared.topology import Keys, Subjects
 
 
 def step_events(run: str, step: int, n_events: int, prompts_per_step: int, rng: random.Random) -> list[tuple[str, Message]]:

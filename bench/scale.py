@@ -34,7 +34,8 @@ from common import ROOT, bench_config, bench_stack, table, write_result
 from services.pipeline.run import RunPlan, service_specs
 from services.pipeline.supervisor import Supervisor
 from shared.config import Config
-from shared.store import Keys, Store
+from shared.store import Store
+from shared.topology import Keys
 
 GENERATORS = 4
 TARGETS = {"status_warm_s": 1.0, "status_cold_s": 3.0, "trainer_data_anon_mb": 1024, "prompts_per_s": 500}

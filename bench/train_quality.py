@@ -40,9 +40,9 @@ async def forget_training(cfg, store) -> int:
     import nats.js.errors
 
     from shared.bus import Bus, consumer_for
-    from shared.store import Keys
+    from shared.topology import Keys
 
-    keys = [*store.list(f"runs/{cfg.run}/checkpoints/"), *[k for k in [Keys.eval_report(cfg.run)] if store.exists(k)]]
+    keys = [*store.list(Keys.checkpoints_prefix(cfg.run)), *[k for k in [Keys.eval_report(cfg.run)] if store.exists(k)]]
     for key in keys:
         store.delete(key)
     spec = consumer_for("train", cfg.run)
@@ -54,12 +54,13 @@ async def forget_training(cfg, store) -> int:
 
 async def figures(cfg, since: float) -> dict:
     from shared.bus import Bus
-    from shared.messages import GeneratorProgress, Subjects, TokenizedShard, TrainerProgress
+    from shared.messages import GeneratorProgress, TokenizedShard, TrainerProgress
+    from shared.topology import Subjects
 
     async with await Bus.connect(cfg.bus, "bench", deadline_s=10) as bus:
         tok = [e async for _, e in bus.replay("TOKENIZED", Subjects.tokenized(cfg.run), 1, TokenizedShard)]
         gen, train = [], []
-        async for _, p in bus.replay("PROGRESS", f"dflash.{cfg.run}.>", 1):
+        async for _, p in bus.replay("PROGRESS", Subjects.whole_run(cfg.run), 1):
             if isinstance(p, GeneratorProgress):
                 gen.append(p)
             elif isinstance(p, TrainerProgress) and p.state == "running" and p.ts >= since:
@@ -78,7 +79,8 @@ async def figures(cfg, since: float) -> dict:
 def main() -> int:
     from shared.config import load_config
     from shared.messages import EvalReport
-    from shared.store import Keys, Store
+    from shared.store import Store
+    from shared.topology import Keys
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", type=Path, default=None, help="keep the stack here (default: a temp dir)")

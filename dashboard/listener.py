@@ -32,7 +32,8 @@ from shared.bus import Bus
 from shared.config import Config
 from shared.ledger import DurableCounts, RunLedger
 from shared.messages import DeadLetter, MessageError, ProgressMessage, decode
-from shared.store import Keys, Store, StoreError
+from shared.store import Store, StoreError
+from shared.topology import ANY, Keys, Subjects
 
 log = logging.getLogger("dflash.dashboard")
 
@@ -130,8 +131,7 @@ class Listener:
             self._loop.close()
 
     async def _supervise(self) -> None:
-        run = self.run or "*"
-        await asyncio.gather(self._follow_forever("PROGRESS", f"dflash.{run}.>"), self._poll_forever())
+        await asyncio.gather(self._follow_forever("PROGRESS", Subjects.whole_run(self.run or ANY)), self._poll_forever())
 
     async def _close_bus(self) -> None:
         if self._bus is not None:

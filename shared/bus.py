@@ -1,22 +1,22 @@
 """NATS JetStream: the only module that imports `nats`.
 
-It owns the stream/consumer table, publishing with `Nats-Msg-Id`, and the worker loop
-(fetch → handle → ack / nak with backoff / dead letter), so that a service only writes a
+It owns the consumers (the stream table is shared.topology's), publishing with `Nats-Msg-Id`, and the
+worker loop (fetch → handle → ack / nak with backoff / dead letter), so that a service only writes a
 handler. The loop's rules, in one place:
 
 * A handler returning normally means "the result is durable and its event is published":
   the message is acked (write-then-ack). Long handlers are kept alive with `in_progress()`
   every ack_wait/3, so ack_wait stays short (about a minute) and a dead worker's messages
   come back quickly.
-* `Retry` or any other exception: nak with exponential backoff, until the delivery count
-  reaches `max_deliver`; then a DeadLetter with the last error goes to the DEADLETTER stream
-  and the message is terminated (which deletes it from a work queue).
-* `Poison`: dead-lettered at once (malformed payloads too).
-* An exception whose class says `fatal = True` (`Halt`, S3 refusing the worker's credentials,
-  its bucket gone): the fault is the worker's, not the message's. The message is nak'ed for
-  another worker, nothing is dead-lettered, the loop stops taking work, a critical Alert says
-  why, and `work` raises `Halt`: a worker that cannot write must not burn its queue's
-  deliveries into the dead letters.
+* A handler's exception is classified once, by the failure policy (shared.failures.classify):
+  - transient (`Retry`, S3 or NATS unavailable) or unexplained: nak with exponential backoff, until the
+    delivery count reaches `max_deliver`; then a DeadLetter with the last error goes to the DEADLETTER
+    stream and the message is terminated (which deletes it from a work queue).
+  - poison (`Poison`): dead-lettered at once (malformed payloads too).
+  - fatal (`Halt`, S3 refusing the worker's credentials, its bucket gone): the fault is the worker's,
+    not the message's. The message is nak'ed for another worker, nothing is dead-lettered, the loop
+    stops taking work, a critical Alert says why, and `work` raises `Halt`: a worker that cannot
+    write must not burn its queue's deliveries into the dead letters.
 * The server-side consumer has no max_deliver (-1). A message whose worker died on its last
   allowed delivery is dead-lettered by the next worker that sees it, instead of lingering in
   the work queue forever (what a server-side max_deliver does to work-queue messages).
@@ -28,12 +28,11 @@ import asyncio
 import contextlib
 import logging
 import os
-import random
 import secrets
-import time
 import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import nats
@@ -43,48 +42,38 @@ from nats.aio.msg import Msg
 from nats.js import api
 
 from shared.config import BusConfig
-from shared.messages import Alert, DeadLetter, Message, MessageError, Subjects, decode, encode
+
+# Halt, Poison and Retry (handler outcomes) are shared.failures'; services import them from here too.
+from shared.failures import (  # noqa: F401
+    Failure,
+    GaveUp,
+    Halt,
+    Poison,
+    Retry,
+    backoff_s,
+    classify,
+    declare_transient,
+    describe,
+    redact,
+    retry_async,
+)
+from shared.messages import Alert, DeadLetter, Message, MessageError, decode, encode
+from shared.topology import Subjects, stage_input, streams
 
 log = logging.getLogger("dflash.bus")
 
 MSG_ID = "Nats-Msg-Id"
 
-
-# --- the declarative table ---------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class StreamSpec:
-    name: str
-    subjects: tuple[str, ...]
-    description: str
-    work_queue: bool = False
-    max_age_s: float = 0.0  # 0: keep forever
-    max_msgs_per_subject: int = -1
-    discard_new_per_subject: bool = False
-    duplicate_window_s: float | None = None  # None: the bus config's
+# The server is down, restarting or electing: nats' errors for "not now" (shared.failures). Its timeouts are
+# TimeoutErrors already.
+declare_transient(
+    nats.errors.NoServersError, nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError,
+    nats.errors.StaleConnectionError, nats.errors.OutboundBufferLimitError, nats.errors.NoRespondersError,
+    nats.js.errors.ServiceUnavailableError, nats.js.errors.NoStreamResponseError,
+)
 
 
-def streams(cfg: BusConfig) -> list[StreamSpec]:
-    return [
-        StreamSpec(
-            "PROMPTS", ("dflash.*.generate.task",), "prompt work queue: one PromptTask per prompt",
-            work_queue=True,
-        ),
-        StreamSpec(
-            "REGISTRY", ("dflash.*.feed.registry.*",),
-            "one message per fed prompt: dedupe that survives server restarts",
-            max_msgs_per_subject=1, discard_new_per_subject=True, duplicate_window_s=120.0,
-        ),
-        StreamSpec("SHARDS", ("dflash.*.generate.shard",), "ShardWritten log (replayable)"),
-        StreamSpec("TOKENIZED", ("dflash.*.tokenize.shard",), "TokenizedShard log (replayable)"),
-        StreamSpec(
-            "PROGRESS", ("dflash.*.*.progress.*", "dflash.*.*.alert"),
-            "progress heartbeats and alerts, kept for max_age so a late dashboard sees history",
-            max_age_s=cfg.progress_max_age_s, duplicate_window_s=60.0,
-        ),
-        StreamSpec("DEADLETTER", ("dflash.*.*.deadletter",), "messages the pipeline gave up on, with the error"),
-    ]
+# --- consumers (the stream table is shared.topology's) -------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -101,39 +90,11 @@ class ConsumerSpec:
 def consumer_for(stage: str, run: str, *, ack_wait_s: float = 60.0, max_ack_pending: int = 256,
                  max_deliver: int = 5) -> ConsumerSpec:
     """The durable consumer each stage shares between all its workers, one per run."""
-    table = {
-        "generate": ("PROMPTS", Subjects.prompts(run)),
-        "tokenize": ("SHARDS", Subjects.shards(run)),
-        "train": ("TOKENIZED", Subjects.tokenized(run)),
-    }
-    stream, subject = table[stage]
+    stream, subject = stage_input(stage, run)
     return ConsumerSpec(stream, f"{stage}-{run}", subject, ack_wait_s, max_ack_pending, max_deliver, stage)
 
 
 # --- handler outcomes --------------------------------------------------------------------------
-
-
-class Retry(Exception):
-    """Transient failure: redeliver later (after `delay_s`, else exponential backoff)."""
-
-    def __init__(self, reason: str, delay_s: float | None = None) -> None:
-        super().__init__(reason)
-        self.delay_s = delay_s
-
-
-class Poison(Exception):
-    """This message can never succeed: dead-letter it now."""
-
-
-class Halt(Exception):
-    """This worker can do no work as it is configured: put the message back and stop the worker."""
-
-    fatal = True
-
-
-def halts(e: BaseException) -> bool:
-    """Whether `e` is a fault of the worker's own settings (its class says `fatal = True`)."""
-    return bool(getattr(e, "fatal", False))
 
 
 @dataclass
@@ -157,10 +118,6 @@ class WorkStats:
     errors: int = 0
     in_flight: int = 0
     halted: str = ""  # why the loop stopped on a fault of the worker's own (see Halt)
-
-
-def backoff_delay(num_delivered: int, base_s: float = 1.0, cap_s: float = 60.0) -> float:
-    return min(cap_s, base_s * 2 ** max(0, num_delivered - 1)) * (0.8 + 0.4 * random.random())
 
 
 # --- the bus -----------------------------------------------------------------------------------
@@ -206,17 +163,11 @@ class Bus:
             log.debug("NATS client error: %s", e)
 
         opts.update(disconnected_cb=_disconnected, reconnected_cb=_reconnected, error_cb=_error)
-        start, delay = time.monotonic(), 0.2
-        while True:
-            try:
-                nc = await nats.connect(**opts)
-                return cls(nc, cfg, name)
-            except (nats.errors.NoServersError, OSError, TimeoutError) as e:
-                if deadline_s is not None and time.monotonic() - start >= deadline_s:
-                    raise ConnectionError(f"NATS at {cfg.url} unreachable for {deadline_s:.0f}s: {e}") from None
-                log.warning("NATS at %s unreachable (%s); retrying in %.1fs", cfg.url, e, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+        try:
+            nc = await retry_async(f"connect to NATS at {cfg.url}", lambda: nats.connect(**opts), deadline_s=deadline_s)
+        except GaveUp as e:
+            raise ConnectionError(redact(f"NATS at {cfg.url} unreachable for {deadline_s:.0f}s: {describe(e.last)}")) from None
+        return cls(nc, cfg, name)
 
     async def close(self) -> None:
         if not self.nc.is_closed:
@@ -400,7 +351,7 @@ class Bus:
                     f"on NATS at {self.cfg.url})")
         for spec in streams(self.cfg):  # one direct lookup per stream: cost independent of the run's size
             with contextlib.suppress(nats.js.errors.NotFoundError):
-                await self.js.get_last_msg(spec.name, f"dflash.{run}.>")
+                await self.js.get_last_msg(spec.name, Subjects.whole_run(run))
                 return ""
         return f"no run {run!r} on this stack: nothing was fed to it and no service reported for it (check the name)"
 
@@ -422,8 +373,7 @@ class Bus:
                   md.num_delivered, error.splitlines()[-1] if error else "")
 
     async def dead_letters(self, run: str, stage: str = "*") -> list[tuple[int, DeadLetter]]:
-        subject = f"dflash.{run}.{stage}.deadletter"
-        return [item async for item in self.replay("DEADLETTER", subject, 1, DeadLetter)]
+        return [item async for item in self.replay("DEADLETTER", Subjects.deadletter(run, stage), 1, DeadLetter)]
 
     async def replay_dead_letters(self, run: str, stage: str = "*", *, only: Callable[[DeadLetter], bool] | None = None) -> int:
         """Put dead-lettered messages back where they came from; each is then removed from DEADLETTER.
@@ -479,14 +429,12 @@ class Bus:
                     await asyncio.wait([*tasks, stop_wait], return_when=asyncio.FIRST_COMPLETED)
                     continue
                 try:
-                    msgs = await sub.fetch(min(free, fetch_batch), timeout=1.0)
-                except TimeoutError:  # nats.errors.TimeoutError, or asyncio's from a fetch deadline
-                    continue  # an empty fetch is normal
-                except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError,
-                        nats.js.errors.APIError, nats.errors.Error) as e:
-                    log.warning("fetch failed (%s); retrying", e)
-                    await asyncio.sleep(1.0)
-                    continue
+                    msgs = await retry_async(f"fetch from {spec.durable}", partial(_fetch, sub, min(free, fetch_batch)),
+                                             deadline_s=None, stop_event=stop)
+                except Exception as e:
+                    if classify(e) is Failure.TRANSIENT and stop.is_set():
+                        continue  # stopping while the server is away: the loop ends
+                    raise
                 for m in msgs:
                     if stop.is_set() or stats.halted:
                         await m.nak()
@@ -540,13 +488,15 @@ class Bus:
                 await msg.nak()
             stats.requeued_on_shutdown += 1
             raise
-        except Poison as e:
-            stats.errors += 1
-            stats.last_error = str(e)
-            await self.dead_letter(spec, run, msg, f"poison: {e}")
-            stats.dead_lettered += 1
         except Exception as e:
-            if not halts(e):
+            failure = classify(e)
+            if failure is Failure.POISON:
+                stats.errors += 1
+                stats.last_error = str(e)
+                await self.dead_letter(spec, run, msg, f"poison: {e}")
+                stats.dead_lettered += 1
+                return
+            if failure is not Failure.FATAL:
                 await self._failed(spec, run, msg, e, stats)
                 return
             stats.errors += 1
@@ -570,11 +520,19 @@ class Bus:
             await self.dead_letter(spec, run, msg, error)
             stats.dead_lettered += 1
         else:
-            delay = e.delay_s if isinstance(e, Retry) and e.delay_s is not None else backoff_delay(md.num_delivered)
+            delay = e.delay_s if isinstance(e, Retry) and e.delay_s is not None else backoff_s(md.num_delivered, 1.0, 60.0)
             log.warning("delivery %d of %s seq %d failed, retry in %.1fs: %s", md.num_delivered, md.stream,
                         md.sequence.stream, delay, stats.last_error)
             await msg.nak(delay=delay)
             stats.retried += 1
+
+
+async def _fetch(sub: Any, n: int) -> list[Msg]:
+    """One fetch; an empty one (the fetch's timeout) is normal, not a failure."""
+    try:
+        return await sub.fetch(n, timeout=1.0)
+    except TimeoutError:  # nats.errors.TimeoutError, or asyncio's from a fetch deadline
+        return []
 
 
 async def _heartbeat(msg: Msg, every_s: float) -> None:

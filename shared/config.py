@@ -323,7 +323,7 @@ def load_config(path: str | os.PathLike[str] | None = None, env: dict[str, str] 
         except msgspec.ValidationError as e:
             raise ConfigError(_describe(e, f"environment variable {name}")) from None
     cfg = msgspec.convert(tree, Config)
-    from shared.messages import check_name
+    from shared.topology import check_name
 
     try:
         check_name("run", cfg.run)

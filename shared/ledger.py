@@ -37,8 +37,9 @@ import numpy as np
 
 from shared.bus import Bus
 from shared.config import Config
-from shared.messages import Alert, ShardWritten, Subjects, TokenizedShard
-from shared.store import KeyNotFound, Keys, Store, StoreError
+from shared.messages import Alert, ShardWritten, TokenizedShard
+from shared.store import KeyNotFound, Store, StoreError
+from shared.topology import ANY, Keys, Subjects
 
 log = logging.getLogger("dflash.ledger")
 
@@ -305,7 +306,7 @@ class Ledger:
 def _logs(run: str) -> list[tuple[str, str, Any]]:
     """(stream, subject, type) of each log the ledger folds."""
     return [("SHARDS", Subjects.shards(run), ShardWritten), ("TOKENIZED", Subjects.tokenized(run), TokenizedShard),
-            ("PROGRESS", Subjects.all_alerts(run), Alert)]
+            ("PROGRESS", Subjects.alert(run, ANY), Alert)]
 
 
 class RunLedger:
@@ -454,7 +455,7 @@ class RunLedger:
     async def _read_dead_letters(self) -> None:
         """Dead letters per stage as the stream has them now (one request: the server counts per subject)."""
         try:
-            info = await self.bus.js.stream_info("DEADLETTER", subjects_filter=Subjects.all_deadletters(self.run))
+            info = await self.bus.js.stream_info("DEADLETTER", subjects_filter=Subjects.deadletter(self.run, ANY))
         except nats.js.errors.NotFoundError:
             self.dead_lettered = {}
             return

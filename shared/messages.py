@@ -1,4 +1,4 @@
-"""Every message that crosses the bus, and the subjects they travel on.
+"""Every message that crosses the bus.
 
 Wire format: msgpack of a tagged msgspec Struct (`"type"` field). Decoding always goes
 through the typed decoders below, so a payload from elsewhere fails with a clear
@@ -11,29 +11,20 @@ Evolution rules (msgspec's schema-evolution doc):
 4. Wire structs do not forbid unknown fields, so old readers skip new fields.
 `v` is the schema version; a decoder refuses a payload from a newer major version.
 
-Subjects: `dflash.<run>.<stage>.<event>[.<worker>]`, see `Subjects`.
+Subjects (which subject each message travels on) live in shared.topology.
 """
 
 from __future__ import annotations
 
-import re
 import time
 from typing import Any, Literal
 
 import msgspec
 
+# Re-exported for modules outside this change that still import them from here (services/trainer/train.py).
+from shared.topology import Subjects, check_name  # noqa: F401
+
 SCHEMA_VERSION = 1
-
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
-
-
-def check_name(kind: str, value: str) -> str:
-    """Run and worker names become subject tokens and S3 path parts: no dots, wildcards or slashes."""
-    if not _NAME.match(value):
-        raise ValueError(
-            f"invalid {kind} name {value!r}: use 1-64 letters, digits, '_' or '-', starting with a letter or digit"
-        )
-    return value
 
 
 class Message(msgspec.Struct, tag_field="type", kw_only=True):
@@ -268,60 +259,3 @@ def _peek(data: bytes) -> Any:
         return msgspec.msgpack.decode(data)
     except msgspec.DecodeError:
         return None
-
-
-# --- subjects ----------------------------------------------------------------------------------
-
-
-class Subjects:
-    """The one subject naming scheme: `dflash.<run>.<stage>.<event>[.<worker>]`.
-
-    stage is one of feed, generate, tokenize, train, eval; progress subjects end with the
-    worker so that a LAST_PER_SUBJECT consumer yields every worker's latest state.
-    """
-
-    PREFIX = "dflash"
-
-    @staticmethod
-    def prompts(run: str) -> str:
-        return f"dflash.{check_name('run', run)}.generate.task"
-
-    @staticmethod
-    def shards(run: str) -> str:
-        return f"dflash.{check_name('run', run)}.generate.shard"
-
-    @staticmethod
-    def tokenized(run: str) -> str:
-        return f"dflash.{check_name('run', run)}.tokenize.shard"
-
-    @staticmethod
-    def progress(run: str, stage: str, worker: str) -> str:
-        return f"dflash.{check_name('run', run)}.{stage}.progress.{check_name('worker', worker)}"
-
-    @staticmethod
-    def all_progress(run: str = "*") -> str:
-        return f"dflash.{run}.*.progress.*"
-
-    @staticmethod
-    def alert(run: str, stage: str) -> str:
-        return f"dflash.{check_name('run', run)}.{stage}.alert"
-
-    @staticmethod
-    def all_alerts(run: str = "*") -> str:
-        return f"dflash.{run}.*.alert"
-
-    @staticmethod
-    def deadletter(run: str, stage: str) -> str:
-        return f"dflash.{check_name('run', run)}.{stage}.deadletter"
-
-    @staticmethod
-    def all_deadletters(run: str = "*") -> str:
-        return f"dflash.{run}.*.deadletter"
-
-    @staticmethod
-    def registry(run: str, prompt_id: str) -> str:
-        """One subject per prompt in the task registry: survives server restarts, unlike the dedupe window."""
-        return f"dflash.{check_name('run', run)}.feed.registry.{prompt_id}"
-
-
-STAGES = ("feed", "generate", "tokenize", "train", "eval")

@@ -20,8 +20,9 @@ import nats.js.errors
 from shared.bus import Bus
 from shared.config import Config
 from shared.ledger import RunLedger
-from shared.messages import Alert, GeneratorProgress, Message, Subjects, TrainerProgress
+from shared.messages import Alert, GeneratorProgress, Message, TrainerProgress
 from shared.store import Store
+from shared.topology import ANY, Subjects
 
 SILENT_S = 120.0
 
@@ -78,7 +79,7 @@ async def _read(cfg: Config, bus: Bus, store: Store | None,
     st.dead_lettered = dict(ledger.dead_lettered)
     now = time.time()
     trainer = None
-    latest: list[tuple[int, Message]] = await bus.latest_per_subject("PROGRESS", Subjects.all_progress(run))
+    latest: list[tuple[int, Message]] = await bus.latest_per_subject("PROGRESS", Subjects.progress(run, ANY, ANY))
     for _, p in latest:
         age = now - p.ts
         if isinstance(p, GeneratorProgress):

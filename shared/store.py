@@ -2,8 +2,8 @@
 
 Every object written here carries its sha256 in metadata (`x-amz-meta-sha256`), and every
 read verifies it: a corrupted or truncated object is an error, never silent. Transient faults
-(connection refused, 5xx, SlowDown) are retried with backoff until `retry_deadline_s`; then
-`StoreUnavailable` says so. Refused credentials and a missing bucket are `StoreMisconfigured` at
+(connection refused, 5xx, SlowDown) are retried under the failure policy (shared.failures) until
+`retry_deadline_s`; then `StoreUnavailable` says so. Refused credentials and a missing bucket are `StoreMisconfigured` at
 once. Nothing is reported as written unless the PUT succeeded.
 
 This module is synchronous (minio-py is); async services call it via `asyncio.to_thread`.
@@ -15,9 +15,7 @@ import hashlib
 import io
 import logging
 import os
-import random
 import stat as statmod
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
@@ -29,6 +27,10 @@ from minio import Minio
 from minio.error import S3Error, ServerError
 
 from shared.config import Config, StoreConfig, data_dir
+from shared.failures import Failure, GaveUp, declare_transient, describe, retry_call
+
+# Re-exported for modules outside this change that still import it from here (services/trainer/train.py).
+from shared.topology import Keys  # noqa: F401
 
 log = logging.getLogger("dflash.store")
 T = TypeVar("T")
@@ -38,13 +40,25 @@ _SHA_HEADER = "x-amz-meta-sha256"
 _TRANSIENT_CODES = {"InternalError", "SlowDown", "ServiceUnavailable", "RequestTimeout", "OperationAborted"}
 _AUTH_CODES = {"AccessDenied", "SignatureDoesNotMatch", "InvalidAccessKeyId", "InvalidSecurity"}
 
+# No connection, a reset, a read timeout: urllib3's errors for "S3 is not answering now" (shared.failures).
+declare_transient(urllib3.exceptions.HTTPError)
+
 
 class StoreError(RuntimeError):
     pass
 
 
 class StoreUnavailable(StoreError):
-    """S3 could not be reached (or kept failing) for the whole retry deadline."""
+    """S3 could not be reached (or kept failing) for the whole retry deadline. Still transient to a caller
+    that can wait longer (a shard writer, a message's redelivery)."""
+
+    failure = Failure.TRANSIENT
+
+
+class S3Busy(StoreError):
+    """One S3 answer that says "try again" (HTTP 5xx, SlowDown, ...): retried inside the store."""
+
+    failure = Failure.TRANSIENT
 
 
 class StoreMisconfigured(StoreError):
@@ -52,7 +66,8 @@ class StoreMisconfigured(StoreError):
     A worker's handler that meets it stops the worker (`fatal`, see shared.bus) instead of failing message
     after message into the dead letters."""
 
-    fatal = True
+    failure = Failure.FATAL
+    fatal = True  # what `dfpipe`'s exit code reads (shared.cli)
 
 
 class StoreAuthError(StoreMisconfigured):
@@ -60,7 +75,7 @@ class StoreAuthError(StoreMisconfigured):
 
 
 class KeyNotFound(StoreError, FileNotFoundError):
-    pass
+    failure = Failure.ERROR  # an OSError by its base, but no network error: not retried
 
 
 class ChecksumMismatch(StoreError):
@@ -162,42 +177,44 @@ class Store:
     # --- retry core ---------------------------------------------------------------------------
 
     def _call(self, what: str, fn: Callable[[], T], *, deadline_s: float | None = None) -> T:
-        deadline = time.monotonic() + (self.cfg.retry_deadline_s if deadline_s is None else deadline_s)
-        delay, attempt = 0.2, 0
-        while True:
-            attempt += 1
+        """`fn()` under the failure policy (shared.failures): S3's answers become this module's errors, the
+        transient ones are retried until the deadline, then `StoreUnavailable`."""
+        deadline = self.cfg.retry_deadline_s if deadline_s is None else deadline_s
+
+        def attempt() -> T:
             try:
                 return fn()
-            except S3Error as e:
-                if e.code in _AUTH_CODES:
-                    raise StoreAuthError(
-                        f"S3 at {self.endpoint} refused {what} in bucket {self.bucket!r}: {e.code} "
-                        "(check AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY)"
-                    ) from None
-                if e.code == "NoSuchBucket":
-                    raise StoreMisconfigured(
-                        f"bucket {self.bucket!r} does not exist at {self.endpoint} (create it, or set store.create_bucket)"
-                    ) from None
-                if e.code in ("NoSuchKey", "NoSuchObject"):
-                    raise KeyNotFound(f"s3://{self.bucket}/{e.object_name or ''} does not exist") from None
-                if e.code not in _TRANSIENT_CODES:
-                    raise StoreError(f"S3 {what} failed: {e.code}: {e.message}") from None
-                err: Exception = e
-            except ServerError as e:
-                if e.status_code < 500:
-                    raise StoreError(f"S3 {what} failed: HTTP {e.status_code}") from None
-                err = e
-            except (urllib3.exceptions.HTTPError, OSError) as e:
-                err = e
-            now = time.monotonic()
-            if now >= deadline:
-                raise StoreUnavailable(
-                    f"S3 at {self.endpoint} unavailable: {what} failed {attempt} times "
-                    f"over {self.cfg.retry_deadline_s if deadline_s is None else deadline_s:.0f}s; last error: {type(err).__name__}: {err}"
-                ) from None
-            log.warning("S3 %s failed (attempt %d), retrying in %.1fs: %s", what, attempt, delay, err)
-            time.sleep(min(delay, max(0.0, deadline - now)))
-            delay = min(delay * 2, 10.0) * (0.8 + 0.4 * random.random())
+            except (S3Error, ServerError) as e:
+                raise self._error(what, e) from None
+
+        try:
+            return retry_call(f"S3 {what}", attempt, deadline_s=deadline)
+        except GaveUp as e:
+            raise StoreUnavailable(
+                f"S3 at {self.endpoint} unavailable: {what} failed {e.attempts} times over {deadline:.0f}s; "
+                f"last error: {describe(e.last)}"
+            ) from None
+
+    def _error(self, what: str, e: S3Error | ServerError) -> Exception:
+        """What an S3 answer means, as this module's error (its `failure` says whether to retry)."""
+        if isinstance(e, ServerError):
+            if e.status_code >= 500:
+                return S3Busy(f"S3 {what}: HTTP {e.status_code}")
+            return StoreError(f"S3 {what} failed: HTTP {e.status_code}")
+        if e.code in _AUTH_CODES:
+            return StoreAuthError(
+                f"S3 at {self.endpoint} refused {what} in bucket {self.bucket!r}: {e.code} "
+                "(check AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY)"
+            )
+        if e.code == "NoSuchBucket":
+            return StoreMisconfigured(
+                f"bucket {self.bucket!r} does not exist at {self.endpoint} (create it, or set store.create_bucket)"
+            )
+        if e.code in ("NoSuchKey", "NoSuchObject"):
+            return KeyNotFound(f"s3://{self.bucket}/{e.object_name or ''} does not exist")
+        if e.code in _TRANSIENT_CODES:
+            return S3Busy(f"S3 {what}: {e.code}: {e.message}")
+        return StoreError(f"S3 {what} failed: {e.code}: {e.message}")
 
     # --- bucket -------------------------------------------------------------------------------
 
@@ -335,50 +352,3 @@ class Store:
 
     def uri(self, key: str) -> str:
         return f"s3://{self.bucket}/{key}"
-
-
-class Keys:
-    """Deterministic object keys: every artifact of a run lives under `runs/<run>/`."""
-
-    @staticmethod
-    def manifest(run: str) -> str:
-        return f"runs/{run}/manifest.json"
-
-    @staticmethod
-    def run_config(run: str) -> str:
-        return f"runs/{run}/config.json"
-
-    @staticmethod
-    def rejects(run: str) -> str:
-        return f"runs/{run}/rejects.jsonl"
-
-    @staticmethod
-    def completions(run: str, worker: str, seq: int) -> str:
-        return f"runs/{run}/completions/{worker}/{seq:08d}.parquet"
-
-    @staticmethod
-    def tokenized(run: str, fingerprint: str, shard_name: str) -> str:
-        return f"runs/{run}/tokenized/{fingerprint}/{shard_name}.parquet"
-
-    @staticmethod
-    def tokenized_drops(run: str, fingerprint: str, shard_name: str) -> str:
-        """The records a tokenized shard's build dropped, with reasons (JSON lines; only when there are any)."""
-        return f"runs/{run}/tokenized/{fingerprint}/drops/{shard_name}.jsonl"
-
-    @staticmethod
-    def tokenizer_gate(run: str, fingerprint: str) -> str:
-        """The tripped quality gate of a run's tokenizing under one template fingerprint (JSON Alert)."""
-        return f"runs/{run}/tokenized/{fingerprint}/gate.json"
-
-    @staticmethod
-    def ledger(run: str) -> str:
-        """The run ledger's snapshot (shared.ledger): a fold of the run's logs up to per-stream sequences."""
-        return f"runs/{run}/ledger/snapshot.bin"
-
-    @staticmethod
-    def checkpoint(run: str, step: int) -> str:
-        return f"runs/{run}/checkpoints/step-{step:08d}/"
-
-    @staticmethod
-    def eval_report(run: str) -> str:
-        return f"runs/{run}/eval/report.json"

@@ -16,11 +16,11 @@ from shared.messages import (
     GeneratorProgress,
     Message,
     ShardWritten,
-    Subjects,
     TokenizedShard,
     TokenizerProgress,
     TrainerProgress,
 )
+from shared.topology import Subjects
 
 SILENT_WORKER = "gpu1"
 

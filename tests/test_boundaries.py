@@ -26,10 +26,11 @@ from services.tokenizer.render import TemplateError
 from services.tokenizer.samples import SampleBuilder
 from shared.bus import consumer_for
 from shared.config import ConfigError, load_config
-from shared.messages import SCHEMA_VERSION, PromptTask, ShardWritten, Subjects
+from shared.messages import SCHEMA_VERSION, PromptTask, ShardWritten
 from shared.records import completions_to_parquet
 from shared.stack import EmbeddedStack, Ports
-from shared.store import Keys, sha256_bytes
+from shared.store import sha256_bytes
+from shared.topology import Keys, Subjects
 from tests.conftest import make_config, new_run
 from tests.test_bus import run_worker, task
 from tests.test_tokenizer_service import announce, burst, tokenized_events, topic_record, write_shard

@@ -5,7 +5,8 @@ import asyncio
 import pytest
 
 from shared.bus import Bus, Halt, Poison, Retry, WorkStats, consumer_for
-from shared.messages import Alert, ChatMessage, PromptTask, ShardWritten, Subjects
+from shared.messages import Alert, ChatMessage, PromptTask, ShardWritten
+from shared.topology import Subjects
 
 
 def task(run: str, pid: str) -> PromptTask:

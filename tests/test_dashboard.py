@@ -21,13 +21,13 @@ from shared.messages import (
     GeneratorProgress,
     PromptTask,
     ShardWritten,
-    Subjects,
     TokenizedShard,
     TokenizerProgress,
     decode,
     encode,
 )
 from shared.stack import EmbeddedStack, Ports, free_port
+from shared.topology import Subjects
 from tests.conftest import new_run
 from tests.dashboard_events import SHARD_QUALITY, SILENT_WORKER, initial_events, publish, shard_events
 

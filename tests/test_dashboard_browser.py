@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 
 from shared.bus import Bus
-from shared.messages import GeneratorProgress, Message, ShardWritten, Subjects
+from shared.messages import GeneratorProgress, Message, ShardWritten
 from shared.stack import free_port
+from shared.topology import Subjects
 from tests.conftest import make_config, new_run
 from tests.dashboard_events import SILENT_WORKER, initial_events, publish
 

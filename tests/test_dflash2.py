@@ -25,7 +25,8 @@ from services.trainer.model_dflash2 import DFlash2Drafter, GroupedDynamicCausalC
 from shared.bus import Bus
 from shared.config import TrainerConfig
 from shared.messages import EvalReport
-from shared.store import Keys, Store
+from shared.store import Store
+from shared.topology import Keys
 from tests.conftest import make_config, new_run
 from tests.test_trainer import (
     TINY,

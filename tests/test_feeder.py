@@ -13,8 +13,8 @@ import pytest
 from services.feeder.feed import Feeder
 from services.feeder.normalize import RejectedRecord, normalize, prompt_id
 from services.feeder.sources import SourceError, read_records
-from shared.messages import PromptTask, Subjects
-from shared.store import Keys
+from shared.messages import PromptTask
+from shared.topology import Keys, Subjects
 from tests.conftest import make_config
 
 GOOD = [

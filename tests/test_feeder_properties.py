@@ -24,8 +24,9 @@ from services.feeder.feed import Feeder
 from services.feeder.normalize import RejectedRecord, normalize, prompt_id
 from services.feeder.sources import SourceError, read_records
 from shared.bus import Bus
-from shared.messages import PromptTask, Subjects
-from shared.store import Keys, Store
+from shared.messages import PromptTask
+from shared.store import Store
+from shared.topology import Keys, Subjects
 from tests.conftest import make_config
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,

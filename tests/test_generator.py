@@ -17,10 +17,11 @@ from services.feeder.feed import Feeder
 from services.generator.service import run_generator
 from shared.bus import Bus
 from shared.config import Config
-from shared.messages import ShardWritten, Subjects
+from shared.messages import ShardWritten
 from shared.records import dedupe_completions, read_completions
 from shared.status import format_status, run_status
 from shared.store import Store
+from shared.topology import Subjects
 from tests.conftest import make_config
 
 FAST = dict(generator={"max_inflight": 4, "batch_size": 4, "shard_records": 4, "shard_seconds": 2.0,

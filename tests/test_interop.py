@@ -25,7 +25,8 @@ from services.trainer.features import Target
 from services.trainer.model import DFlashDrafter, feature_layer_ids
 from shared.messages import EvalReport
 from shared.records import ChatMessage, CompletionRecord
-from shared.store import Keys, Store
+from shared.store import Store
+from shared.topology import Keys
 from tests.conftest import make_config, new_run
 from tests.reference import reference_model_module
 from tests.test_trainer import _env, _spawn
@@ -71,9 +72,10 @@ def trained(stack, stack_env, target_dir: Path, tmp_path_factory):
     from services.trainer.eval import prompt_part
     from services.trainer.train import latest_key
     from shared.bus import Bus
-    from shared.messages import Subjects, TokenizedShard
+    from shared.messages import TokenizedShard
     from shared.model import load_causal_lm
     from shared.records import samples_to_parquet
+    from shared.topology import Subjects
 
     run, tmp = new_run(), tmp_path_factory.mktemp("interop")
     cfg = make_config(stack, run, trainer={"block_size": BLOCK})

@@ -23,9 +23,10 @@ import shared.ledger as ledger_mod
 from shared.bus import Bus
 from shared.config import Config
 from shared.ledger import SCHEMA, Ledger, PromptSet, RunLedger, prompt_hash, prompt_hashes
-from shared.messages import Alert, DeadLetter, Message, ShardWritten, Subjects, TokenizedShard
+from shared.messages import Alert, DeadLetter, Message, ShardWritten, TokenizedShard
 from shared.status import picture, run_status
-from shared.store import Keys, Store
+from shared.store import Store
+from shared.topology import ANY, Keys, Subjects
 
 # --- the reference: the replay every status call made before the ledger, with plain Python sets --------
 
@@ -58,7 +59,7 @@ async def replay_from_start(cfg: Config, bus: Bus, store: Store) -> dict[str, An
     for _, letter in await bus.dead_letters(run):
         dead[letter.stage] = dead.get(letter.stage, 0) + 1
     latest: dict[tuple[str, str, str], Alert] = {}
-    async for _, a in bus.replay("PROGRESS", Subjects.all_alerts(run), 1, Alert):
+    async for _, a in bus.replay("PROGRESS", Subjects.alert(run, ANY), 1, Alert):
         latest[(a.stage, a.kind, a.worker)] = a
     kept = sum(t.num_samples for t in tokenized.values())
     return {

@@ -16,7 +16,8 @@ from pathlib import Path
 import msgspec
 
 from shared.messages import EvalReport
-from shared.store import Keys, Store
+from shared.store import Store
+from shared.topology import Keys
 from tests.conftest import make_config, new_run
 
 TINY = """

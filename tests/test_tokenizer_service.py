@@ -27,7 +27,7 @@ from services.tokenizer.samples import SampleBuilder
 from services.tokenizer.service import TokenizerService, run_service, shard_name
 from shared.bus import Bus
 from shared.config import Config
-from shared.messages import Alert, ShardWritten, Subjects, TokenizedShard, TokenizerProgress
+from shared.messages import Alert, ShardWritten, TokenizedShard, TokenizerProgress
 from shared.records import (
     ChatMessage,
     CompletionRecord,
@@ -36,7 +36,8 @@ from shared.records import (
     read_samples_summary,
 )
 from shared.status import format_status, run_status
-from shared.store import SHA_META, Keys, Store, sha256_bytes
+from shared.store import SHA_META, Store, sha256_bytes
+from shared.topology import Keys, Subjects
 from tests.conftest import make_config
 
 ROOT = Path(__file__).resolve().parents[1]

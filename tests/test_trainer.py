@@ -22,9 +22,10 @@ import torch
 from services.trainer.blocks import candidate_anchors, estimated_tau, make_blocks
 from services.trainer.model import DFlashDrafter, feature_layer_ids
 from shared.bus import Bus
-from shared.messages import EvalReport, Subjects, TokenizedShard, TrainerProgress
+from shared.messages import EvalReport, TokenizedShard, TrainerProgress
 from shared.records import ChatMessage, CompletionRecord, samples_to_parquet
-from shared.store import Keys, Store
+from shared.store import Store
+from shared.topology import Keys, Subjects
 from tests.conftest import make_config, new_run
 
 TINY = {"num_layers": 1, "block_size": 8, "anchors_per_sequence": 12, "max_steps": 8, "checkpoint_every": 3,

@@ -17,7 +17,8 @@ from typing import Any
 async def _feed(args: argparse.Namespace) -> int:
     from shared.bus import Bus
     from shared.cli import load
-    from shared.store import Keys, Store
+    from shared.store import Store
+    from shared.topology import Keys
 
     from .feed import Feeder
 

@@ -24,9 +24,10 @@ import nats.js.errors
 
 from shared.bus import Bus, ProgressLoop
 from shared.config import Config, fingerprint
-from shared.messages import ChatMessage, FeederProgress, PromptTask, Subjects
+from shared.messages import ChatMessage, FeederProgress, PromptTask
 from shared.records import jsonl_line
-from shared.store import Keys, Store
+from shared.store import Store
+from shared.topology import ANY, Keys, Subjects
 
 from .normalize import RejectedRecord, UnknownShape, normalize, prompt_id
 from .sources import SHAPES, Raw, SourceError, escaped, local_copy, read_records
@@ -188,7 +189,7 @@ class Feeder:
 
     async def _has_registry(self) -> bool:
         try:
-            await self.bus.js.get_last_msg("REGISTRY", f"dflash.{self.run}.feed.registry.*")
+            await self.bus.js.get_last_msg("REGISTRY", Subjects.registry(self.run, ANY))
             return True
         except nats.js.errors.NotFoundError:
             return False

@@ -14,7 +14,7 @@ import msgspec
 
 def _generate(args: argparse.Namespace) -> int:
     from shared.cli import load
-    from shared.messages import check_name
+    from shared.topology import check_name
 
     from .service import run_generator
 
@@ -39,9 +39,10 @@ def _generate(args: argparse.Namespace) -> int:
 async def _replay(args: argparse.Namespace) -> int:
     from shared.bus import Bus
     from shared.cli import load
-    from shared.messages import PromptTask, Subjects
+    from shared.messages import PromptTask
     from shared.records import read_completions
     from shared.store import KeyNotFound, Store
+    from shared.topology import Subjects
 
     cfg = load(args)
     async with await Bus.connect(cfg.bus, "replay", deadline_s=30) as bus:

@@ -19,9 +19,10 @@ import time
 
 from shared.bus import Bus, ConsumerSpec, Delivery, Poison, ProgressLoop, Retry, WorkStats, consumer_for
 from shared.config import Config, fingerprint
-from shared.messages import GeneratorProgress, PromptTask, ShardWritten, Subjects
+from shared.messages import GeneratorProgress, PromptTask, ShardWritten
 from shared.records import CompletionRecord
 from shared.store import Store
+from shared.topology import Subjects
 
 from .backends import Backend, EngineError, GenRequest, PromptRefused, make_backend
 from .shards import ShardWriter

@@ -5,7 +5,7 @@ Each worker numbers its shards 0, 1, 2, … under `runs/<run>/completions/<worke
 after the highest number already in S3, so a key is fixed before it is written and never
 reused. `put_new` refuses to overwrite a key with different content (two live workers given the
 same name): the writer then moves to the next number, loudly. S3 or NATS down: the shard is
-kept and retried with backoff, its prompts stay unacked (heartbeats keep them), nothing is lost.
+kept and retried under the failure policy (shared.failures), its prompts stay unacked (heartbeats keep them), nothing is lost.
 """
 
 from __future__ import annotations
@@ -14,11 +14,14 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from functools import partial
 
-from shared.bus import Bus, Poison, halts
-from shared.messages import ShardWritten, Subjects
+from shared.bus import Bus
+from shared.failures import Poison, retry_async
+from shared.messages import ShardWritten
 from shared.records import CompletionRecord, completions_to_parquet, read_completions
-from shared.store import Keys, ObjectConflict, Store
+from shared.store import ObjectConflict, Store
+from shared.topology import Keys, Subjects
 
 log = logging.getLogger("dflash.generator.shards")
 
@@ -53,9 +56,9 @@ class ShardWriter:
         self._flushes: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
-        prefix = f"runs/{self.run}/completions/{self.worker}/"
+        prefix = Keys.completions_prefix(self.run, self.worker)
         keys = await asyncio.to_thread(lambda: list(self.store.list(prefix)))
-        seqs = [int(k[len(prefix):].split(".")[0]) for k in keys if k.endswith(".parquet")]
+        seqs = [seq for k in keys if (seq := Keys.completions_seq(prefix, k)) is not None]
         if seqs:
             self.seq = max(seqs) + 1
             await self._announce_last(max(seqs))
@@ -114,29 +117,22 @@ class ShardWriter:
             records, waiters, data = await self._storable(records, waiters)
             if not records:
                 return
-            delay = 1.0
             while True:
                 key = Keys.completions(self.run, self.worker, self.seq)
                 try:
-                    info, _ = await asyncio.to_thread(self.store.put_new, key, data, "application/vnd.apache.parquet")
-                    event = shard_event(self.run, key, self.worker, self.seq, records, info.sha256, len(data))
-                    await self.bus.publish(Subjects.shards(self.run), event, msg_id=key)
+                    # S3 or NATS unreachable (transient): keep the shard, keep trying; its prompts stay unacked.
+                    await retry_async(f"shard {key} ({len(records)} records)",
+                                      partial(self._write, key, self.seq, records, data), deadline_s=None,
+                                      on_failure=self._count_error)
                     break
                 except ObjectConflict as e:
                     log.error("%s; is another worker named %r running? writing the next shard number", e, self.worker)
                     self.seq += 1
-                except asyncio.CancelledError:
-                    raise
                 except Exception as e:
+                    # No retry helps (S3 refuses this worker's settings: fatal; or an error nothing explains). The
+                    # handlers fail with the error: a fatal one puts their prompts back for a worker that can write
+                    # and stops this one, any other is redelivered up to max_deliver (shared.bus).
                     self.write_errors += 1
-                    if not halts(e):  # S3 or NATS unreachable: keep the shard, keep trying
-                        log.warning("shard %s (%d records) not written yet, retry in %.0fs: %s", key, len(records),
-                                    delay, e)
-                        await asyncio.sleep(delay)
-                        delay = min(delay * 2, 30.0)
-                        continue
-                    # S3 refuses this worker's settings: no retry helps. The handlers fail with the error, which
-                    # puts their prompts back for a worker that can write and stops this one (shared.bus).
                     log.error("shard %s (%d records) cannot be written: %s", key, len(records), e)
                     for fut in waiters:
                         if not fut.done():
@@ -148,6 +144,15 @@ class ShardWriter:
             for fut in waiters:
                 if not fut.done():
                     fut.set_result(None)
+
+    async def _write(self, key: str, seq: int, records: list[CompletionRecord], data: bytes) -> None:
+        """The shard to S3 (once: `put_new`), then its event (once: the key is the msg id)."""
+        info, _ = await asyncio.to_thread(self.store.put_new, key, data, "application/vnd.apache.parquet")
+        event = shard_event(self.run, key, self.worker, seq, records, info.sha256, len(data))
+        await self.bus.publish(Subjects.shards(self.run), event, msg_id=key)
+
+    def _count_error(self, _: BaseException) -> None:
+        self.write_errors += 1
 
     async def _storable(self, records: list[CompletionRecord], waiters: list[asyncio.Future[None]]
                         ) -> tuple[list[CompletionRecord], list[asyncio.Future[None]], bytes]:

@@ -31,11 +31,12 @@ import msgspec
 from shared.bus import Bus
 from shared.config import Config, load_config
 from shared.ledger import RunLedger
-from shared.messages import ShardWritten, Subjects, TokenizedShard
+from shared.messages import ShardWritten, TokenizedShard
 from shared.records import dedupe_completions, read_completions, read_sample_generations
 from shared.stack import EmbeddedStack, Ports
 from shared.status import generation_done, picture, tokenization_done
 from shared.store import Store
+from shared.topology import Subjects
 
 from .run import BUNDLED_PROMPTS, RunPlan, service_specs
 from .supervisor import Supervisor

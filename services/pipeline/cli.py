@@ -22,8 +22,8 @@ def _run(args: argparse.Namespace) -> int:
     from services.feeder.sources import SourceError, check_source
     from shared.cli import load
     from shared.config import load_config
-    from shared.messages import check_name
     from shared.stack import is_external, stack_up
+    from shared.topology import check_name
 
     from .run import BUNDLED_PROMPTS, DEMO_CONFIG, RunPlan, run_pipeline
 

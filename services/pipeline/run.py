@@ -23,9 +23,10 @@ import msgspec
 from shared.bus import Bus
 from shared.config import Config, data_dir
 from shared.ledger import RunLedger
-from shared.messages import Alert, Subjects
+from shared.messages import Alert
 from shared.status import Picture, RunStatus, generation_done, picture, run_status, tokenization_done
-from shared.store import Keys, Store
+from shared.store import Store
+from shared.topology import Keys, Subjects
 
 from .supervisor import ServiceSpec, ServiceState, Supervisor
 
@@ -210,9 +211,9 @@ def print_artifacts(cfg: Config, store: Store, report: dict | None, st: RunStatu
     print(f"run {run} finished. Artifacts:")
     print(f"  manifest      {store.uri(Keys.manifest(run))}")
     print(f"  rejects       {store.uri(Keys.rejects(run))}")
-    print(f"  completions   {store.uri(f'runs/{run}/completions/')}")
-    print(f"  tokenized     {store.uri(f'runs/{run}/tokenized/')}")
-    print(f"  checkpoints   {store.uri(f'runs/{run}/checkpoints/')}")
+    print(f"  completions   {store.uri(Keys.completions_prefix(run))}")
+    print(f"  tokenized     {store.uri(Keys.tokenized_prefix(run))}")
+    print(f"  checkpoints   {store.uri(Keys.checkpoints_prefix(run))}")
     if report:
         print(f"  eval report   {store.uri(Keys.eval_report(run))}")
         print(f"eval: τ = {report.get('tau', 0):.3f} on {report.get('prompts', 0)} held-out prompts, speedup "

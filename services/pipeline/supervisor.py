@@ -5,6 +5,11 @@ that exits non-zero is restarted after an exponential backoff; `crash_limit` cra
 `crash_window_s` is a crash loop: the service is not restarted again and the loop is
 reported (an Alert on the bus and the supervisor's own state), never hidden. A one-shot
 service (the feeder) that exits 0 is done.
+
+The restart delay is the failure policy's backoff (`shared.failures.backoff_s`), but not its retry helper:
+a restart is not a call to repeat until a deadline. Its attempts are process lifetimes that count only
+inside the crash window, it gives up on a crash loop rather than a deadline, a crash says nothing
+classifiable (an exit code, not an exception), and a supervisor stop must end the wait at once.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from shared.failures import backoff_s
 
 log = logging.getLogger("dflash.supervisor")
 
@@ -107,7 +114,7 @@ class Supervisor:
                 if self.on_crash_loop is not None:
                     await self.on_crash_loop(st)
                 return
-            delay = min(self.backoff_cap_s, self.backoff_base_s * 2 ** (len(st.crashes) - 1))
+            delay = backoff_s(len(st.crashes), self.backoff_base_s, self.backoff_cap_s)
             st.state = "backoff"
             log.warning("%s exited with %s; restarting in %.1fs", st.spec.name, code, delay)
             with contextlib.suppress(asyncio.TimeoutError):

@@ -66,6 +66,8 @@ async def _replay_async(cfg: Any, from_seq: int) -> Any:
 
 
 def _replay(args: argparse.Namespace) -> int:
+    from shared.topology import Keys
+
     from .render import TemplateError
 
     cfg = _config(args)
@@ -76,7 +78,7 @@ def _replay(args: argparse.Namespace) -> int:
         return 2
     print(f"run {cfg.run}: replayed {s.shards} shards from seq {args.from_seq} under template {s.fingerprint}: "
           f"{s.written} written, {s.already_present} already present (unchanged), {len(s.failed)} failed")
-    print(f"  output: runs/{cfg.run}/tokenized/{s.fingerprint}/")
+    print(f"  output: {Keys.tokenized_prefix(cfg.run, s.fingerprint)}")
     for seq, key, err in s.failed:
         print(f"  failed seq {seq} {key}: {err}")
     if s.gate:
@@ -101,13 +103,14 @@ def _drops(args: argparse.Namespace) -> int:
 
     from shared.cli import load
     from shared.store import Store
+    from shared.topology import Keys
 
     cfg = load(args)
     store = Store.open(cfg, ensure_bucket=False)
     if missing := asyncio.run(_run_missing(cfg)):
         print(f"dfpipe drops: {missing}", file=sys.stderr)
         return 2
-    prefix = f"runs/{cfg.run}/tokenized/" + (f"{args.fingerprint}/" if args.fingerprint else "")
+    prefix = Keys.tokenized_prefix(cfg.run, args.fingerprint)
     keys = [k for k in store.list(prefix) if "/drops/" in k and k.endswith(".jsonl")]
     counts: Counter[tuple[str, str]] = Counter()
     shown = 0

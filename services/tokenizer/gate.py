@@ -22,7 +22,8 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any
 
-from shared.messages import Alert, Subjects
+from shared.messages import Alert
+from shared.topology import Subjects
 
 STAGE = "tokenize"
 KIND = "quality_gate"

@@ -16,8 +16,9 @@ from typing import Any
 
 from shared.bus import Bus, Poison, ProgressLoop, Retry
 from shared.config import Config
-from shared.messages import ShardWritten, Subjects
+from shared.messages import ShardWritten
 from shared.store import Store
+from shared.topology import Subjects
 
 from .gate import STAGE
 from .service import GateTripped, TokenizerService

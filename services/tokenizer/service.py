@@ -30,7 +30,7 @@ import msgspec
 
 from shared.bus import Bus, Delivery, Poison, ProgressLoop, Retry, WorkStats, consumer_for
 from shared.config import Config
-from shared.messages import Alert, ShardWritten, Subjects, TokenizedShard, TokenizerProgress
+from shared.messages import Alert, ShardWritten, TokenizedShard, TokenizerProgress
 from shared.records import (
     CompletionRecord,
     RecordError,
@@ -44,12 +44,12 @@ from shared.records import (
 from shared.store import (
     ChecksumMismatch,
     KeyNotFound,
-    Keys,
     ObjectConflict,
     Store,
     StoreUnavailable,
     sha256_bytes,
 )
+from shared.topology import Keys, Subjects
 
 from . import checks
 from . import gate as gatemod
@@ -134,7 +134,7 @@ class TokenizerService:
 
     async def prepare(self) -> None:
         """Seed the dedupe set from this fingerprint's existing shards; pick up a gate tripped before."""
-        prefix = f"runs/{self.run}/tokenized/{self.fingerprint}/"
+        prefix = Keys.tokenized_prefix(self.run, self.fingerprint)
         keys = [k for k in await asyncio.to_thread(lambda: list(self.store.list(prefix))) if k.endswith(".parquet")]
         for key in keys:
             data = await asyncio.to_thread(self.store.get_bytes, key)

@@ -26,8 +26,9 @@ async def _eval_async(cfg: Any, limit: int | None, sampling: Any = None, seeds: 
     import torch
 
     from shared.bus import Bus
-    from shared.messages import EvalReport, Subjects
-    from shared.store import Keys, Store
+    from shared.messages import EvalReport
+    from shared.store import Store
+    from shared.topology import Keys, Subjects
 
     from .data import ShardCache, load_samples, shard_keys
     from .drafters import load_drafter
@@ -114,12 +115,13 @@ def _plan(args: argparse.Namespace) -> int:
         from shared.bus import Bus
         from shared.cli import load
         from shared.messages import GeneratorProgress
+        from shared.topology import ANY, Subjects
 
         cfg = load(argparse.Namespace(config=args.config, run=args.live_run))
 
         async def live() -> tuple[float, int]:
             async with await Bus.connect(cfg.bus, "plan", deadline_s=10) as bus:
-                latest = await bus.latest_per_subject("PROGRESS", f"dflash.{cfg.run}.generate.progress.*")
+                latest = await bus.latest_per_subject("PROGRESS", Subjects.progress(cfg.run, "generate", ANY))
             rates = [p.completion_tokens_per_s for _, p in latest if isinstance(p, GeneratorProgress)
                      and p.state == "running"]
             return (sum(rates) / len(rates) if rates else 0.0), len(rates)

@@ -32,9 +32,10 @@ import torch
 
 from shared.bus import Bus, Delivery, Poison, consumer_for
 from shared.config import Config, data_dir
-from shared.messages import Subjects, TokenizedShard
+from shared.messages import TokenizedShard
 from shared.records import RecordError, TokenizedSample
 from shared.store import ChecksumMismatch, KeyNotFound, Store
+from shared.topology import Subjects
 
 
 def newest_keys(shards: dict[str, tuple[str, int]]) -> list[str]:

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import msgspec
 
 from shared.config import Config
+from shared.failures import Failure
 from shared.messages import ChatMessage
 
 
@@ -36,9 +37,13 @@ class GenResult(msgspec.Struct, kw_only=True):
 class EngineError(RuntimeError):
     """A transient engine failure (timeout, 5xx, connection refused): retried with backoff."""
 
+    failure = Failure.TRANSIENT
+
 
 class PromptRefused(ValueError):
     """The engine refused this prompt itself (e.g. HTTP 400: too long): retrying will not help."""
+
+    failure = Failure.POISON
 
 
 class Backend(Protocol):

@@ -1,12 +1,13 @@
-"""The HTTP plumbing both server backends share: one pooled client, errors sorted into retry or refuse."""
+"""The HTTP plumbing both server backends share: one pooled client, errors sorted into retry (EngineError:
+transient) or refuse (PromptRefused: poison), see shared.failures."""
 
 from __future__ import annotations
 
-import asyncio
-import time
 from typing import Any
 
 import httpx
+
+from shared.failures import GaveUp, retry_async
 
 from . import EngineError, PromptRefused
 
@@ -41,19 +42,21 @@ class EngineClient:
             raise EngineError(f"POST {path}: response is not JSON: {resp.text[:200]!r}") from None
 
     async def wait_ready(self, path: str, deadline_s: float, method: str = "GET") -> None:
-        """Poll `path` until it answers 200, or raise EngineError naming the last failure."""
-        end = time.monotonic() + deadline_s
-        last = "no answer"
-        while time.monotonic() < end:
+        """Poll `path` until it answers 200 (retried under the failure policy), or raise EngineError naming the
+        last failure."""
+
+        async def probe() -> None:
             try:
                 resp = await self.http.request(method, path, timeout=10.0)
-                if resp.status_code == 200:
-                    return
-                last = f"HTTP {resp.status_code}"
             except httpx.HTTPError as e:
-                last = f"{type(e).__name__}"
-            await asyncio.sleep(1.0)
-        raise EngineError(f"engine at {self.base_url}{path} not ready after {deadline_s:.0f}s ({last})")
+                raise EngineError(type(e).__name__) from None
+            if resp.status_code != 200:
+                raise EngineError(f"HTTP {resp.status_code}")
+
+        try:
+            await retry_async(f"engine at {self.base_url}{path}", probe, deadline_s=deadline_s)
+        except GaveUp as e:
+            raise EngineError(f"engine at {self.base_url}{path} not ready after {deadline_s:.0f}s ({e.last})") from None
 
     async def close(self) -> None:
         await self.http.aclose()
