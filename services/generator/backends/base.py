@@ -1,11 +1,4 @@
-"""Inference backends behind one small interface, so the generator loop never knows which engine runs.
-
-- `hf`: in-process transformers, batched (the embedded default, CPU or GPU).
-- `sglang`: SGLang's native `/generate`, token ids in and out (token-exact).
-- `openai`: any OpenAI-compatible server (vLLM, SGLang, llama.cpp, `transformers serve`).
-- `synthetic`: a load generator for benchmarks and tests (deterministic pseudo-completions as token ids),
-  never a default and never a source of training data.
-"""
+"""What every inference backend shares: the request and result, the errors, the interface, and chat rendering."""
 
 from __future__ import annotations
 
@@ -13,7 +6,6 @@ from typing import Any, Protocol
 
 import msgspec
 
-from shared.config import Config
 from shared.messages import ChatMessage
 
 
@@ -87,22 +79,3 @@ def split_reasoning(text: str, open_tag: str = "<think>", close_tag: str = "</th
         return text, None
     reasoning = head.split(open_tag, 1)[-1].strip()
     return tail.lstrip("\n"), reasoning
-
-
-def make_backend(cfg: Config, *, gpu: int | None = None) -> Backend:
-    kind = cfg.generator.backend
-    if kind == "hf":
-        from .hf import HFBackend
-
-        return HFBackend(cfg, gpu=gpu)
-    if kind == "sglang":
-        from .sglang import SGLangBackend
-
-        return SGLangBackend(cfg, gpu=gpu)
-    if kind == "synthetic":
-        from .synthetic import SyntheticBackend
-
-        return SyntheticBackend(cfg, gpu=gpu)
-    from .openai import OpenAIBackend
-
-    return OpenAIBackend(cfg)

@@ -8,7 +8,7 @@ from typing import Any
 
 import httpx
 
-from . import EngineError, PromptRefused
+from .base import EngineError, PromptRefused
 
 RETRYABLE_STATUS = {408, 409, 425, 429}
 
