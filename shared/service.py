@@ -99,7 +99,7 @@ class StoppedDuringStartup(Exception):
 
 
 async def serve(service: Service[W], cfg: Config, *, stop: asyncio.Event | None = None) -> W | None:
-    """Run `service` through the whole lifecycle (module doc); the worker it built, None if stopped during startup."""
+    """Run `service` through the whole lifecycle (module doc); the worker it built, None if stopped before that."""
     if stop is None:
         stop = asyncio.Event()
         install_stop_signals(stop, report_after_s=service.stuck_report_after_s)
