@@ -53,9 +53,10 @@ async def bare(backend, prompts: list[str]) -> tuple[int, float]:
 
 async def pipeline(backend, stack, prompts: list[str], round_: int, tmp: Path) -> tuple[int, float]:
     from services.feeder.feed import Feeder
-    from services.generator.service import Generator
+    from services.generator.service import generator_service
     from shared.bus import Bus
     from shared.messages import ShardWritten, decode
+    from shared.service import serve
     from shared.store import Store
     from shared.topology import Subjects
 
@@ -79,12 +80,11 @@ async def pipeline(backend, stack, prompts: list[str], round_: int, tmp: Path) -
         t0 = time.perf_counter()  # feed + generate + shard writes: the pipeline's whole path
         await Feeder(cfg, bus, store).feed([str(src)])
         stop = asyncio.Event()
-        gen = Generator(cfg, "bench", backend, bus, store)
-        worker = asyncio.create_task(gen.run_until(stop))
+        worker = asyncio.create_task(serve(generator_service(cfg, "bench", backend, owns_engine=False), cfg, stop=stop))
         await all_written.wait()
         seconds = time.perf_counter() - t0
         stop.set()
-        await worker
+        gen = await worker
         await sub.unsubscribe()
         return gen.completion_tokens, seconds
 

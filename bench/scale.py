@@ -31,7 +31,7 @@ from typing import Any
 
 from common import ROOT, bench_config, bench_stack, table, write_result
 
-from services.pipeline.run import RunPlan, service_specs
+from services.pipeline.run import RunRequest, service_specs
 from services.pipeline.supervisor import Supervisor
 from shared.config import Config
 from shared.store import Store
@@ -118,9 +118,9 @@ async def drive(cfg: Config, stack: Any, prompts: Path, env: dict[str, str], log
     from shared.bus import Bus
 
     run = cfg.run
-    plan = RunPlan(prompts=[str(prompts)], generators=[None] * GENERATORS, backend="synthetic", train=False,
-                   dashboard=False, extra_env=env)
-    sup = Supervisor(service_specs(cfg, plan), logs, crash_limit=5, backoff_base_s=0.5, grace_s=30.0)
+    request = RunRequest(prompts=[str(prompts)], generators=[None] * GENERATORS, backend="synthetic",
+                         train=False, dashboard=False, extra_env=env)
+    sup = Supervisor(service_specs(cfg, request), logs, crash_limit=5, backoff_base_s=0.5, grace_s=30.0)
     meter = Meter()
     times: dict[str, float] = {}
     kills: list[dict[str, Any]] = []

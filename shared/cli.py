@@ -1,31 +1,37 @@
 """`dfpipe`: one entry point, one subcommand per job.
 
-Each service package contributes its subcommands through `register(sub, replay)` in its
-`cli` module, so a reader finds a command's whole story in the service it belongs to.
+Each package registers its own subcommands: its `cli` module's `register(sub, replay)` is named in
+pyproject.toml under `[project.entry-points."dfpipe.commands"]`, so a reader finds a command's whole
+story in the package it belongs to, and `shared/` names no service.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import os
 import sys
+import tomllib
 from collections.abc import Callable
+from importlib.metadata import EntryPoint, entry_points
+from pathlib import Path
 from typing import Any
 
 from shared.config import Config, ConfigError, load_config
 
-# Modules that add subcommands; each defines register(sub, replay).
-COMMAND_MODULES = (
-    "services.feeder.cli",
-    "services.generator.cli",
-    "services.tokenizer.cli",
-    "services.trainer.cli",
-    "services.pipeline.cli",
-    "dashboard.cli",
-    "shared.status",
-)
+COMMAND_GROUP = "dfpipe.commands"  # entry points: name = "package.cli:register"
+SOURCE_PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+
+
+def command_registrars() -> list[EntryPoint]:
+    """Every package's `register(sub, replay)`. From a source tree (tests, the supervisor's `python -m shared.cli`,
+    a checkout with an older or another checkout's install) the tree's own pyproject.toml lists them, so a new
+    command needs no reinstall; an installed build (the image) reads its package metadata."""
+    if SOURCE_PYPROJECT.is_file():
+        project = tomllib.loads(SOURCE_PYPROJECT.read_text()).get("project", {})
+        if table := project.get("entry-points", {}).get(COMMAND_GROUP):
+            return [EntryPoint(name, value, COMMAND_GROUP) for name, value in table.items()]
+    return list(entry_points(group=COMMAND_GROUP))
 
 
 def load(args: argparse.Namespace) -> Config:
@@ -94,14 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
     replay_parser = sub.add_parser("replay", help="re-run a stage from the logs (dead letters, shards)")
     replay = replay_parser.add_subparsers(dest="replay_target", required=True, metavar="STAGE")
     _register_stack(sub)
-    for name in COMMAND_MODULES:
+    for registrar in command_registrars():
         try:
-            module = importlib.import_module(name)
+            register = registrar.load()
         except ModuleNotFoundError as e:
-            if e.name and name.startswith(e.name):
-                continue  # that service is not part of this build
+            if e.name and registrar.module.startswith(e.name):
+                continue  # that package is not part of this build
             raise
-        module.register(sub, replay)
+        register(sub, replay)
     if not replay.choices:
         sub._name_parser_map.pop("replay", None)  # no stage offers replay yet
     return parser

@@ -10,7 +10,7 @@ from shared.stack import EmbeddedStack, Ports, _pid_alive
 from shared.store import Store
 
 
-def dflash(args, env):
+def dfpipe(args, env):
     return subprocess.run([sys.executable, "-m", "shared.cli", *args], env=env, capture_output=True, text=True, timeout=120)
 
 
@@ -21,33 +21,33 @@ def test_up_status_down_up_keeps_data(tmp_path):
                DFLASH_STACK__NATS_MONITOR_PORT=str(p.nats_monitor), DFLASH_STACK__S3_PORT=str(p.s3),
                DFLASH_STACK__WEED_PORT_BASE=str(p.weed_base))
     try:
-        up = dflash(["stack", "up"], env)
+        up = dfpipe(["stack", "up"], env)
         assert up.returncode == 0, up.stderr
         assert f"127.0.0.1:{p.nats}" in up.stdout and f"127.0.0.1:{p.s3}" in up.stdout
         creds = tmp_path / "credentials"
         assert oct(creds.stat().st_mode & 0o777) == "0o600"
-        st = dflash(["stack", "status"], env)
+        st = dfpipe(["stack", "status"], env)
         assert st.returncode == 0 and st.stdout.count("healthy") == 2, st.stdout
         stack = EmbeddedStack.load(tmp_path)
         pids = dict(stack.pids)
         key, secret = (line.split("=", 1)[1] for line in creds.read_text().split())
         Store(StoreConfig(endpoint=stack.s3_endpoint, bucket="dflash"), key, secret).put_bytes("kept", b"day one")
 
-        down = dflash(["stack", "down"], env)
+        down = dfpipe(["stack", "down"], env)
         assert down.returncode == 0 and "stopped" in down.stdout
         assert not any(_pid_alive(pid, name) for name, pid in (("nats-server", pids["nats"]), ("weed", pids["s3"])))
-        assert dflash(["stack", "status"], env).returncode == 1
+        assert dfpipe(["stack", "status"], env).returncode == 1
 
-        assert dflash(["stack", "up"], env).returncode == 0
+        assert dfpipe(["stack", "up"], env).returncode == 0
         stack = EmbeddedStack.load(tmp_path)
         assert Store(StoreConfig(endpoint=stack.s3_endpoint, bucket="dflash"), key, secret).get_bytes("kept") == b"day one"
     finally:
-        dflash(["stack", "down"], env)
+        dfpipe(["stack", "down"], env)
 
 
 def test_external_stack_starts_nothing(tmp_path):
     env = {**os.environ, "DFLASH_NATS_URL": "nats://10.0.0.1:4222", "DFLASH_DATA_DIR": str(tmp_path)}
-    out = dflash(["stack", "up"], env)
+    out = dfpipe(["stack", "up"], env)
     assert out.returncode == 0 and "nothing to start" in out.stdout
     assert not Path(tmp_path, "stack.json").exists()
 
@@ -55,5 +55,5 @@ def test_external_stack_starts_nothing(tmp_path):
 def test_wrong_config_key_fails_at_start(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[stack]\nnats_prot = 1\n")
-    out = dflash(["--config", str(bad), "stack", "status"], {**os.environ, "DFLASH_DATA_DIR": str(tmp_path)})
+    out = dfpipe(["--config", str(bad), "stack", "status"], {**os.environ, "DFLASH_DATA_DIR": str(tmp_path)})
     assert out.returncode == 2 and "unknown config key 'stack.nats_prot'" in out.stderr

@@ -17,10 +17,11 @@ import contextlib
 import logging
 import time
 
-from shared.bus import Bus, ConsumerSpec, Delivery, Poison, ProgressLoop, Retry, WorkStats, consumer_for
+from shared.bus import Bus, ConsumerSpec, Delivery, Poison, Retry, WorkStats, consumer_for
 from shared.config import Config, fingerprint
 from shared.messages import GeneratorProgress, PromptTask, ShardWritten
 from shared.records import CompletionRecord
+from shared.service import Consumer, Context, Progress, Service, serve
 from shared.store import Store
 from shared.topology import Subjects
 
@@ -81,6 +82,8 @@ class Generator:
         self.finish_reasons: collections.Counter[str] = collections.Counter()
         self.accept_lengths: collections.deque[float] = collections.deque(maxlen=256)
         self.state = "running"
+        self.progress_subject = Subjects.progress(self.run, "generate", worker)
+        self._flusher: asyncio.Task[None] | None = None
 
     def engine_idle_for(self) -> float | None:
         """Seconds the engine has had no request; None while it has one."""
@@ -156,21 +159,28 @@ class Generator:
                 self.engine_errors += last.errors
                 self.finish_reasons.update(last.finish_reasons)
 
-    async def run_until(self, stop: asyncio.Event) -> WorkStats:
-        await self.bus.ensure_streams()
+    # --- what the skeleton runs (shared/service.py) ----------------------------------------------
+
+    async def start(self, stop: asyncio.Event) -> None:
+        """After the engine: the shard writer, counters resumed from this worker's history, the drain's flusher."""
         await self.shards.start()
-        subject = Subjects.progress(self.run, "generate", self.worker)
-        await self.resume_counters(subject)
-        async with ProgressLoop(self.bus, subject, self.progress, self.cfg.generator.progress_every_s):
-            drained = asyncio.create_task(self._flush_when_stopping(stop))
-            try:
-                await self.bus.work(self.spec, self.handle, run=self.run, stop=stop, message_type=PromptTask,
-                                    max_inflight=self.slots, grace_s=self.cfg.generator.drain_s, stats=self.stats)
-            finally:
-                drained.cancel()
-                self.state = "stopped"
-                await self.shards.close(timeout_s=self.cfg.generator.drain_s)
-        return self.stats
+        await self.resume_counters(self.progress_subject)
+        self._flusher = asyncio.create_task(self._flush_when_stopping(stop))
+
+    def consumer(self) -> Consumer:
+        g = self.cfg.generator
+        return Consumer(self.spec, self.run, self.handle, PromptTask, max_inflight=self.slots, grace_s=g.drain_s,
+                        stats=self.stats)
+
+    def published_progress(self) -> Progress:
+        return Progress(self.progress_subject, self.progress, self.cfg.generator.progress_every_s)
+
+    async def stop_and_flush(self) -> None:
+        """The consumer has stopped: write what is buffered (the last progress snapshot counts it)."""
+        if self._flusher is not None:
+            self._flusher.cancel()
+        self.state = "stopped"
+        await self.shards.close(timeout_s=self.cfg.generator.drain_s)
 
     async def _flush_when_stopping(self, stop: asyncio.Event) -> None:
         """While draining, write what is buffered every second: a generation still running must not hold
@@ -184,21 +194,33 @@ class Generator:
             await asyncio.sleep(1.0)
 
 
-async def run_generator(cfg: Config, worker: str, *, gpu: int | None = None, stop: asyncio.Event | None = None) -> WorkStats:
-    """Connect, start the engine, work until SIGTERM/SIGINT (or `stop`), drain, close."""
-    from shared.bus import install_stop_signals
+def generator_service(cfg: Config, worker: str, backend: Backend, *, owns_engine: bool = True) -> Service[Generator]:
+    """The generator, declared: the engine starts (a stop signal cancels the model load), then the run's PromptTasks
+    are consumed until SIGTERM/SIGINT; buffered completions are written; the engine closes. `owns_engine=False`:
+    the caller started the engine and closes it (bench/generate.py keeps one loaded model between rounds)."""
 
-    if stop is None:
-        stop = asyncio.Event()
-        install_stop_signals(stop, report_after_s=max(45.0, cfg.generator.drain_s + 30))  # a drain is not stuck
-    store = await asyncio.to_thread(Store.open, cfg)
-    backend = make_backend(cfg, gpu=gpu)
-    async with await Bus.connect(cfg.bus, f"generator-{worker}", deadline_s=60) as bus:
-        await backend.start()
-        try:
-            stats = await Generator(cfg, worker, backend, bus, store).run_until(stop)
-        finally:
+    async def on_startup(ctx: Context) -> Generator:
+        if owns_engine:
+            await backend.start()
+        generator = Generator(cfg, worker, backend, ctx.bus, ctx.store)
+        await generator.start(ctx.stop)
+        return generator
+
+    async def on_shutdown(_: Generator | None) -> None:
+        if owns_engine:
             await backend.close()
+
+    return Service(
+        name=f"generator-{worker}", on_startup=on_startup, consumer=Generator.consumer,
+        progress=Generator.published_progress, on_stop=Generator.stop_and_flush, on_shutdown=on_shutdown,
+        connect_deadline_s=60, stuck_report_after_s=max(45.0, cfg.generator.drain_s + 30),  # a drain is not stuck
+    )
+
+
+async def run_generator(cfg: Config, worker: str, *, gpu: int | None = None, stop: asyncio.Event | None = None) -> WorkStats:
+    """The generator until SIGTERM/SIGINT (or `stop`); what its consumer did."""
+    generator = await serve(generator_service(cfg, worker, make_backend(cfg, gpu=gpu)), cfg, stop=stop)
+    stats = generator.stats if generator is not None else WorkStats()
     log.info("generator %s stopped: %d acked, %d retried, %d dead-lettered, %d requeued", worker, stats.acked,
              stats.retried, stats.dead_lettered, stats.requeued_on_shutdown)
     return stats

@@ -38,7 +38,7 @@ from shared.status import generation_done, picture, tokenization_done
 from shared.store import Store
 from shared.topology import Subjects
 
-from .run import BUNDLED_PROMPTS, RunPlan, service_specs
+from .run import BUNDLED_PROMPTS, RunRequest, service_specs
 from .supervisor import Supervisor
 
 FAULTS = ("kill_generator", "kill_tokenizer", "kill_trainer", "restart_nats", "s3_down")
@@ -174,9 +174,9 @@ class Chaos:
             env = {**os.environ, **self.stack.env(), "DFLASH_DATA_DIR": str(self.stack.root), **service_env(self.s)}
             env.pop("DFLASH_CONFIG", None)
             cfg = self.config(env)
-            plan = RunPlan(prompts=[str(self.prompts_file())], generators=[None] * self.s.generators,
-                           backend="hf", dashboard=False, extra_env=env)
-            specs = service_specs(cfg, plan)
+            request = RunRequest(prompts=[str(self.prompts_file())], generators=[None] * self.s.generators,
+                                 backend="hf", dashboard=False, extra_env=env)
+            specs = service_specs(cfg, request)
             for spec in specs:
                 spec.deferred = False  # the trainer runs alongside generation here, so it can be killed mid-run
             sup = Supervisor(specs, self.root / "logs", crash_limit=50, backoff_base_s=0.5, backoff_cap_s=4.0, grace_s=20)

@@ -25,7 +25,7 @@ def _run(args: argparse.Namespace) -> int:
     from shared.stack import is_external, stack_up
     from shared.topology import check_name
 
-    from .run import BUNDLED_PROMPTS, DEMO_CONFIG, RunPlan, run_pipeline
+    from .run import BUNDLED_PROMPTS, DEMO_CONFIG, RunRequest, run_pipeline
 
     if not args.prompts and not args.config and not os.environ.get("DFLASH_CONFIG"):
         args.config = str(DEMO_CONFIG)
@@ -52,10 +52,10 @@ def _run(args: argparse.Namespace) -> int:
         generators: list[int | None] = list(args.gpus)
     else:
         generators = [None] * args.generators
-    plan = RunPlan(prompts=[p if p.startswith("s3://") else os.path.abspath(p) for p in prompts],
-                   generators=generators, backend=args.backend, train=not args.no_train,
-                   dashboard=not args.no_dashboard)
-    return asyncio.run(run_pipeline(cfg, plan, env=env, show=not args.plain))
+    request = RunRequest(prompts=[p if p.startswith("s3://") else os.path.abspath(p) for p in prompts],
+                         generators=generators, backend=args.backend, train=not args.no_train,
+                         dashboard=not args.no_dashboard)
+    return asyncio.run(run_pipeline(cfg, request, env=env, show=not args.plain))
 
 
 def _chaos(args: argparse.Namespace) -> int:

@@ -37,7 +37,9 @@ DEMO_CONFIG = Path(__file__).parent / "data" / "demo.toml"
 
 
 @dataclass
-class RunPlan:
+class RunRequest:
+    """What a user asks of `dfpipe run`: the prompts, the generators to start, and which extras to run."""
+
     prompts: list[str]
     generators: list[int | None]  # one entry per generator: its GPU, or None on CPU
     backend: str | None = None
@@ -50,26 +52,26 @@ def cli_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "shared.cli", *args]
 
 
-def service_specs(cfg: Config, plan: RunPlan) -> list[ServiceSpec]:
+def service_specs(cfg: Config, request: RunRequest) -> list[ServiceSpec]:
     run = cfg.run
-    specs = [ServiceSpec("feeder", cli_argv("feed", *plan.prompts, "--run", run), one_shot=True)]
-    for i, gpu in enumerate(plan.generators):
+    specs = [ServiceSpec("feeder", cli_argv("feed", *request.prompts, "--run", run), one_shot=True)]
+    for i, gpu in enumerate(request.generators):
         argv = cli_argv("generate", "--run", run, "--worker", f"gen{i}")
         if gpu is not None:
             argv += ["--gpu", str(gpu)]
-        if plan.backend:
-            argv += ["--backend", plan.backend]
+        if request.backend:
+            argv += ["--backend", request.backend]
         specs.append(ServiceSpec(f"generator-{i}", argv))
     specs.append(ServiceSpec("tokenizer", cli_argv("tokenize", "--run", run)))
-    if plan.train:
+    if request.train:
         # Started once tokenization is done: the step count is planned from the whole dataset. (A
         # trainer started by hand or in compose may start early: later shards join its next pass, and its
         # passes count as epochs once generation and tokenization are done.)
         specs.append(ServiceSpec("trainer", cli_argv("train", "--run", run), one_shot=True, deferred=True))
-    if plan.dashboard:
+    if request.dashboard:
         specs.append(ServiceSpec("dashboard", cli_argv("dashboard", "--run", run)))
     for s in specs:
-        s.env.update(plan.extra_env)
+        s.env.update(request.extra_env)
     return specs
 
 
@@ -114,12 +116,13 @@ class Display:
                              note=f"loss {t.loss:.3f} τ≈{t.estimated_tau:.2f}" if t else "waiting for data")
         if not self.enabled and time.monotonic() - self.last_line > 10:  # a log line when not on a terminal
             self.last_line = time.monotonic()
-            print(f"[{cfg_time()}] fed {st.total} generated {st.completed}/{st.total} tokenized "
+            print(f"[{time_of_day()}] fed {st.total} generated {st.completed}/{st.total} tokenized "
                   f"{p.tokenized_shards}/{p.shards} shards trained {t.step if t else 0} steps | "
                   + " ".join(f"{k}={v}" for k, v in services.items()), flush=True)
 
 
-def cfg_time() -> str:
+def time_of_day() -> str:
+    """HH:MM:SS, for the run's display lines."""
     return time.strftime("%H:%M:%S")
 
 
@@ -130,7 +133,7 @@ async def _crash_loop_alert(bus: Bus, run: str, st: ServiceState) -> None:
     await bus.publish(Subjects.alert(run, "run"), alert)
 
 
-async def run_pipeline(cfg: Config, plan: RunPlan, *, env: dict[str, str], show: bool = True,
+async def run_pipeline(cfg: Config, request: RunRequest, *, env: dict[str, str], show: bool = True,
                        poll_s: float = 2.0) -> int:
     store = await asyncio.to_thread(Store.open, cfg)
     logs = data_dir(cfg) / "runs" / cfg.run / "logs"
@@ -140,10 +143,10 @@ async def run_pipeline(cfg: Config, plan: RunPlan, *, env: dict[str, str], show:
         async def on_crash(st: ServiceState) -> None:
             await _crash_loop_alert(bus, cfg.run, st)
 
-        plan.extra_env.update(env)
-        sup = Supervisor(service_specs(cfg, plan), logs, on_crash_loop=on_crash, grace_s=cfg.generator.drain_s + 15)
+        request.extra_env.update(env)
+        sup = Supervisor(service_specs(cfg, request), logs, on_crash_loop=on_crash, grace_s=cfg.generator.drain_s + 15)
         sup.start()
-        if plan.dashboard:
+        if request.dashboard:
             print(f"dashboard: http://{cfg.dashboard.host}:{cfg.dashboard.port}/  (logs in {logs})", flush=True)
         generators = [n for n in sup.services if n.startswith("generator-")]
         phase = "generate"
@@ -173,7 +176,7 @@ async def run_pipeline(cfg: Config, plan: RunPlan, *, env: dict[str, str], show:
                         phase = "train"
                         await sup.stop_service("tokenizer")
                     if phase == "train":
-                        if not plan.train:
+                        if not request.train:
                             break
                         sup.launch("trainer")
                         state = sup.state()["trainer"]
@@ -181,12 +184,12 @@ async def run_pipeline(cfg: Config, plan: RunPlan, *, env: dict[str, str], show:
                             break
                     await asyncio.sleep(poll_s)
         finally:
-            if outcome or not plan.dashboard:
+            if outcome or not request.dashboard:
                 await sup.stop()
         if outcome:
             return outcome
         report = None
-        if plan.train:
+        if request.train:
             proc = await asyncio.create_subprocess_exec(*cli_argv("eval", "--run", cfg.run), env={**os.environ, **env})
             if await proc.wait() != 0:
                 print("eval failed (see above)")

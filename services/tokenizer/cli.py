@@ -35,6 +35,9 @@ def _tokenize(args: argparse.Namespace) -> int:
     except TemplateError as e:
         print(f"dfpipe tokenize: the chat template {_template_name(cfg)}cannot give exact loss masks: {e}")
         return 2
+    if service is None:
+        print(f"run {cfg.run}: stopped before the tokenizer started")
+        return 0
     c = service.counts
     print(f"run {cfg.run} [template {service.fingerprint}]: {c.shards} shards, {c.samples_kept}/{c.samples_in} "
           f"samples kept, {c.tokens} tokens ({c.supervised_tokens} supervised), drift {c.drift}")

@@ -16,18 +16,15 @@ The fast path tokenizes every piece of a shard in one batched call of the fast t
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from shared.config import Config
 from shared.records import CompletionRecord, TokenizedSample, dedupe_completions
 
 from . import checks
 from .render import ChatRenderer, RenderedTurn, RenderMismatch, TemplateRaised
-
-if TYPE_CHECKING:
-    from .pool import BuildPool
 
 
 @dataclass(frozen=True)
@@ -62,6 +59,13 @@ class _Plan:
     rec: CompletionRecord
     turn: RenderedTurn
     pieces: list[tuple[str, int]]  # (text, mask) of the re-tokenized sample
+
+
+class PartsBuilder(Protocol):
+    """Builds a shard's records in consecutive parts, possibly on other cores, the parts in order (pool.BuildPool)."""
+
+    def build(self, records: list[CompletionRecord], here: Callable[[list[CompletionRecord]], ShardSamples]
+              ) -> list[ShardSamples]: ...
 
 
 class SampleBuilder:
@@ -115,7 +119,7 @@ class SampleBuilder:
 
     def build(
         self, records: list[CompletionRecord], *, seen: Mapping[str, int] | None = None, batched: bool = True,
-        pool: BuildPool | None = None,
+        pool: PartsBuilder | None = None,
     ) -> ShardSamples:
         """Samples for one shard, in record order. `seen` maps prompt_ids emitted before to the newest
         generation emitted: a record of that generation or older is a duplicate, a newer one (a

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import time
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -28,7 +27,7 @@ from typing import Any
 
 import msgspec
 
-from shared.bus import Bus, Delivery, Poison, ProgressLoop, Retry, WorkStats, consumer_for
+from shared.bus import Bus, Delivery, Poison, Retry, WorkStats, consumer_for
 from shared.config import Config
 from shared.messages import Alert, ShardWritten, TokenizedShard, TokenizerProgress
 from shared.records import (
@@ -41,6 +40,7 @@ from shared.records import (
     read_samples_summary,
     samples_to_parquet,
 )
+from shared.service import Consumer, Context, Progress, Service, serve, startup_thread
 from shared.store import (
     ChecksumMismatch,
     KeyNotFound,
@@ -53,7 +53,7 @@ from shared.topology import Keys, Subjects
 
 from . import checks
 from . import gate as gatemod
-from .fingerprint import template_fingerprint
+from .fingerprint import load_target_tokenizer, template_fingerprint
 from .pool import BuildPool, default_processes
 from .samples import SampleBuilder, ShardSamples
 
@@ -115,7 +115,7 @@ class TokenizerService:
         self.worker = worker
         self.builder = SampleBuilder(tokenizer, cfg)  # TemplateError here: the template cannot give exact masks
         self.processes = cfg.tokenizer.processes or default_processes()
-        self.pool: BuildPool | None = None  # started with the first shard, closed when serve() ends
+        self.pool: BuildPool | None = None  # started with the first shard, closed at shutdown (close())
         self.fingerprint = template_fingerprint(tokenizer, cfg)
         t = cfg.tokenizer
         self.gate = gatemod.QualityGate(t.gate_window, t.gate_threshold, t.gate_identical_threshold)
@@ -129,6 +129,7 @@ class TokenizerService:
         # shard's download finishes first (which record of a duplicated prompt_id wins must not be timing).
         self._turn: asyncio.Future[None] | None = None
         self.stop: asyncio.Event | None = None
+        self.stats = WorkStats()
 
     # --- start --------------------------------------------------------------------------------
 
@@ -295,43 +296,34 @@ class TokenizerService:
             state=self.state,
         )
 
-    # --- the loop -----------------------------------------------------------------------------
+    # --- what the skeleton runs (shared/service.py) ------------------------------------------------
 
-    async def serve(self, stop: asyncio.Event, *, burst: bool = False, progress_every_s: float = 5.0) -> WorkStats:
-        """Consume until `stop` (or, with burst, until nothing is left); a tripped gate ends consuming."""
-        try:
-            return await self._serve(stop, burst=burst, progress_every_s=progress_every_s)
-        finally:
-            if self.pool is not None:
-                await asyncio.to_thread(self.pool.close)
+    def consumer(self) -> Consumer | None:
+        """The run's ShardWritten consumer; none when a quality gate tripped earlier (nothing may be consumed)."""
+        if self.tripped is not None:
+            return None
+        self.state = "running"
+        t = self.cfg.tokenizer
+        spec = consumer_for("tokenize", self.run, ack_wait_s=t.ack_wait_s, max_ack_pending=t.max_ack_pending)
+        return Consumer(spec, self.run, self._handle_gate_aware, ShardWritten, max_inflight=t.max_inflight,
+                        stats=self.stats)
 
-    async def _serve(self, stop: asyncio.Event, *, burst: bool, progress_every_s: float) -> WorkStats:
-        self.stop = stop
-        spec = consumer_for("tokenize", self.run, ack_wait_s=self.cfg.tokenizer.ack_wait_s,
-                            max_ack_pending=self.cfg.tokenizer.max_ack_pending)
-        stats = WorkStats()
-        subject = Subjects.progress(self.run, gatemod.STAGE, self.worker)
-        async with ProgressLoop(self.bus, subject, self.snapshot, every_s=progress_every_s):
-            await self.prepare()
-            if self.tripped is None:
-                self.state = "running"
-                watcher = asyncio.create_task(self._drain_watch(spec, stop, stats)) if burst else None
-                try:
-                    await self.bus.work(
-                        spec, self._handle_gate_aware, run=self.run, stop=stop, message_type=ShardWritten,
-                        max_inflight=self.cfg.tokenizer.max_inflight, stats=stats,
-                    )
-                finally:
-                    if watcher:
-                        watcher.cancel()
-            if self.tripped is not None:
-                self.state = "gate_tripped"
-                log.error("tokenizing stopped by the quality gate: %s", self.tripped.message)
-                if not burst:
-                    await stop.wait()  # stay visible (progress says gate_tripped) until told to stop
-            else:
-                self.state = "stopped"
-        return stats
+    def published_progress(self, every_s: float) -> Progress:
+        return Progress(Subjects.progress(self.run, gatemod.STAGE, self.worker), self.snapshot, every_s)
+
+    async def after_consuming(self, *, stay_until: asyncio.Event | None) -> None:
+        """A tripped gate ends consuming: the worker stays visible (progress says gate_tripped) until `stay_until`."""
+        if self.tripped is None:
+            self.state = "stopped"
+            return
+        self.state = "gate_tripped"
+        log.error("tokenizing stopped by the quality gate: %s", self.tripped.message)
+        if stay_until is not None:
+            await stay_until.wait()
+
+    async def close(self) -> None:
+        if self.pool is not None:
+            await asyncio.to_thread(self.pool.close)
 
     async def _handle_gate_aware(self, d: Delivery) -> None:
         try:
@@ -340,39 +332,36 @@ class TokenizerService:
             # Not a failure of this shard: put it back for after the fix (or an override) and stop consuming.
             raise Retry(f"quality gate tripped: {e}", delay_s=30.0) from None
 
-    async def _drain_watch(self, spec: Any, stop: asyncio.Event, stats: WorkStats) -> None:
-        """Burst mode: stop once the consumer has nothing pending and nothing in flight."""
-        quiet_since = None
-        while not stop.is_set():
-            await asyncio.sleep(0.3)
-            try:
-                info = await self.bus.js.consumer_info(spec.stream, spec.durable)
-            except Exception:
-                continue
-            idle = info.num_pending == 0 and info.num_ack_pending == 0 and stats.in_flight == 0
-            if not idle:
-                quiet_since = None
-            elif quiet_since is None:
-                quiet_since = time.monotonic()
-            elif time.monotonic() - quiet_since > 0.6:
-                stop.set()
+
+def tokenizer_service(cfg: Config, *, worker: str = "tokenizer", burst: bool = False, progress_every_s: float = 5.0,
+                      tokenizer: Any = None) -> Service[TokenizerService]:
+    """The tokenizer, declared: the target's tokenizer loads, the run's tokenized shards seed the dedupe set, then
+    ShardWritten events are consumed until SIGTERM/SIGINT (with `burst`: until none is left) or a gate trips."""
+
+    async def on_startup(ctx: Context) -> TokenizerService:
+        tok = tokenizer if tokenizer is not None else await startup_thread(load_target_tokenizer, cfg)
+        service = TokenizerService(cfg, ctx.bus, ctx.store, tok, worker=worker)
+        service.stop = ctx.stop  # a tripped gate sets it
+        return service
+
+    async def on_stop(service: TokenizerService) -> None:
+        await service.after_consuming(stay_until=None if burst else service.stop)
+
+    async def on_shutdown(service: TokenizerService | None) -> None:
+        if service is not None:
+            await service.close()
+
+    return Service(
+        name=f"tokenizer-{worker}", on_startup=on_startup, progress=lambda s: s.published_progress(progress_every_s),
+        catch_up=TokenizerService.prepare, consumer=TokenizerService.consumer, on_stop=on_stop,
+        on_shutdown=on_shutdown, burst=burst,
+    )
 
 
 async def run_service(cfg: Config, *, worker: str = "tokenizer", burst: bool = False,
                       stop: asyncio.Event | None = None, progress_every_s: float = 5.0,
-                      tokenizer: Any = None) -> TokenizerService:
-    """config -> connect -> loop, for the CLI and for tests."""
-    from shared.bus import install_stop_signals
-
-    from .fingerprint import load_target_tokenizer
-
-    tok = tokenizer if tokenizer is not None else await asyncio.to_thread(load_target_tokenizer, cfg)
-    store = await asyncio.to_thread(Store.open, cfg)
-    if stop is None:
-        stop = asyncio.Event()
-        install_stop_signals(stop)
-    async with await Bus.connect(cfg.bus, f"tokenizer-{worker}") as bus:
-        await bus.ensure_streams()
-        service = TokenizerService(cfg, bus, store, tok, worker=worker)
-        await service.serve(stop, burst=burst, progress_every_s=progress_every_s)
-    return service
+                      tokenizer: Any = None) -> TokenizerService | None:
+    """The tokenizer until SIGTERM/SIGINT (or `stop`, or burst's end), for the CLI and for tests; None if it was
+    stopped during startup."""
+    return await serve(tokenizer_service(cfg, worker=worker, burst=burst, progress_every_s=progress_every_s,
+                                         tokenizer=tokenizer), cfg, stop=stop)

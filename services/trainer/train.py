@@ -555,18 +555,19 @@ class Trainer:
 
 
 async def run_trainer(cfg: Config, *, stop: asyncio.Event | None = None) -> TrainerProgress:
-    from shared.bus import install_stop_signals
+    """The trainer until done or SIGTERM/SIGINT (or `stop`), through the service skeleton with a main loop of its
+    own: building the target and the drafter is its startup (a stop signal cancels it); the ranks close last."""
+    from shared.service import Context, Service, serve, startup_thread
 
-    if stop is None:
-        stop = asyncio.Event()
-        install_stop_signals(stop)
     torch.manual_seed(cfg.trainer.seed)  # the same initial drafter on every rank
     ranks = Dist.from_env(cfg.model.device)
-    store = await asyncio.to_thread(Store.open, cfg)
-    try:
-        async with await Bus.connect(cfg.bus, f"trainer-{ranks.rank}", deadline_s=60) as bus:
-            await bus.ensure_streams()
-            trainer = await asyncio.to_thread(Trainer, cfg, bus, store, dist=ranks)
-            return await trainer.run_until(stop)
-    finally:
+
+    async def on_startup(ctx: Context) -> Trainer:
+        return await startup_thread(lambda: Trainer(cfg, ctx.bus, ctx.store, dist=ranks))
+
+    async def on_shutdown(_: Trainer | None) -> None:
         ranks.close()
+
+    trainer = await serve(Service(name=f"trainer-{ranks.rank}", on_startup=on_startup, main=Trainer.run_until,
+                                  on_shutdown=on_shutdown, connect_deadline_s=60), cfg, stop=stop)
+    return trainer.last if trainer is not None else TrainerProgress(run=cfg.run, worker="trainer", state="stopped")

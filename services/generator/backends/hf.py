@@ -12,8 +12,9 @@ import threading
 from typing import Any
 
 from shared.config import Config
+from shared.service import startup_thread
 
-from . import GenRequest, GenResult, PromptRefused, check_template, render_prompt, split_reasoning
+from .base import GenRequest, GenResult, PromptRefused, check_template, render_prompt, split_reasoning
 
 log = logging.getLogger("dflash.generator.hf")
 
@@ -36,7 +37,7 @@ class HFBackend:
         self._batches = 0
 
     async def start(self) -> None:
-        await asyncio.to_thread(self._load)
+        await startup_thread(self._load)  # a stop signal during the load need not wait for it
         self._task = asyncio.create_task(self._batcher())
 
     def _load(self) -> None:

@@ -9,7 +9,7 @@ import httpx
 
 from shared.failures import GaveUp, retry_async
 
-from . import EngineError, PromptRefused
+from .base import EngineError, PromptRefused
 
 RETRYABLE_STATUS = {408, 409, 425, 429}
 

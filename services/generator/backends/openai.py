@@ -15,7 +15,7 @@ from typing import Any
 
 from shared.config import Config
 
-from . import GenRequest, GenResult, chat_dicts, check_template, render_prompt, split_reasoning
+from .base import GenRequest, GenResult, chat_dicts, check_template, render_prompt, split_reasoning
 from .http import EngineClient
 
 

@@ -21,8 +21,9 @@ from typing import Any
 from urllib.parse import urlparse
 
 from shared.config import Config
+from shared.service import startup_thread
 
-from . import GenRequest, GenResult, check_template, render_prompt, split_reasoning
+from .base import GenRequest, GenResult, check_template, render_prompt, split_reasoning
 from .http import EngineClient
 
 log = logging.getLogger("dflash.generator.sglang")
@@ -79,7 +80,7 @@ class SGLangBackend:
     async def start(self) -> None:
         from shared.model import load_tokenizer
 
-        self.tok = await asyncio.to_thread(load_tokenizer, self.cfg.model.target)
+        self.tok = await startup_thread(load_tokenizer, self.cfg.model.target)
         check_template(self.tok, self.cfg.sampling.enable_thinking)
         if self.cfg.generator.launch:
             env = dict(os.environ)

@@ -18,8 +18,9 @@ import time
 from typing import Any
 
 from shared.config import Config
+from shared.service import startup_thread
 
-from . import GenRequest, GenResult, check_template, render_prompt
+from .base import GenRequest, GenResult, check_template, render_prompt
 
 
 def word_token_ids(tok: Any, limit: int = 4096) -> list[int]:
@@ -55,7 +56,7 @@ class SyntheticBackend:
     async def start(self) -> None:
         from shared.model import load_tokenizer
 
-        self.tok = await asyncio.to_thread(load_tokenizer, self.cfg.model.target)
+        self.tok = await startup_thread(load_tokenizer, self.cfg.model.target)
         check_template(self.tok, self.cfg.sampling.enable_thinking)
         self.words = word_token_ids(self.tok)
         self.stop_id = self.tok.eos_token_id
