@@ -184,7 +184,7 @@ class Bus:
 
     async def ensure_streams(self) -> None:
         """Create or update every stream in the table; safe on every start."""
-        for spec in streams(self.cfg):
+        for spec in streams(self.cfg.progress_max_age_s):
             dup = self.cfg.duplicate_window_s if spec.duplicate_window_s is None else spec.duplicate_window_s
             if spec.max_age_s:
                 dup = min(dup, spec.max_age_s)
@@ -349,7 +349,7 @@ class Bus:
         except nats.js.errors.NotFoundError:
             return (f"no run {run!r}: this stack has no dflash-pipeline streams yet (nothing was fed or started "
                     f"on NATS at {self.cfg.url})")
-        for spec in streams(self.cfg):  # one direct lookup per stream: cost independent of the run's size
+        for spec in streams(self.cfg.progress_max_age_s):  # one direct lookup per stream: cost independent of the run's size
             with contextlib.suppress(nats.js.errors.NotFoundError):
                 await self.js.get_last_msg(spec.name, Subjects.whole_run(run))
                 return ""

@@ -17,10 +17,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from shared.config import BusConfig
 
 PREFIX = "dflash"
 ANY = "*"  # one subject token, any value: for filters and the stream table, never for a publish
@@ -106,8 +102,9 @@ class StreamSpec:
     duplicate_window_s: float | None = None  # None: the bus config's
 
 
-def streams(cfg: BusConfig) -> list[StreamSpec]:
-    """The stream table: which stream captures which subjects, and how long it keeps them."""
+def streams(progress_max_age_s: float) -> list[StreamSpec]:
+    """The stream table: which stream captures which subjects, and how long it keeps them (progress for
+    `bus.progress_max_age_s`)."""
     return [
         StreamSpec("PROMPTS", (Subjects.prompts(ANY),), "prompt work queue: one PromptTask per prompt",
                    work_queue=True),
@@ -121,7 +118,7 @@ def streams(cfg: BusConfig) -> list[StreamSpec]:
         StreamSpec(
             "PROGRESS", (Subjects.progress(ANY, ANY, ANY), Subjects.alert(ANY, ANY)),
             "progress heartbeats and alerts, kept for max_age so a late dashboard sees history",
-            max_age_s=cfg.progress_max_age_s, duplicate_window_s=60.0,
+            max_age_s=progress_max_age_s, duplicate_window_s=60.0,
         ),
         StreamSpec("DEADLETTER", (Subjects.deadletter(ANY, ANY),), "messages the pipeline gave up on, with the error"),
     ]

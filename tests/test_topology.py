@@ -63,7 +63,7 @@ def _subjects() -> list[tuple[str, str]]:
     return [(name, s) for name in _methods(Subjects) if name not in SPANS_STREAMS for s in _calls(Subjects, name)]
 
 
-STREAMS = streams(BusConfig())
+STREAMS = streams(BusConfig().progress_max_age_s)
 
 
 def test_every_subject_is_captured_by_exactly_one_stream() -> None:
