@@ -147,7 +147,7 @@ class TrainerProgress(Message, tag="trainer_progress"):
     run: str
     worker: str
     step: int = 0
-    total_steps: int = 0  # as planned when training began (later data joins epochs, not the plan)
+    total_steps: int = 0  # the step schedule's length now (data that joins later stretches it)
     epoch: int = 0
     loss: float = 0.0
     lr: float = 0.0
