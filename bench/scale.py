@@ -1,5 +1,5 @@
 """The whole control plane at the mission's scale: feed → 4 synthetic generators → tokenizer → status →
-the trainer's data loading, step plan and a few real optimizer steps, on the embedded stack.
+the trainer's data loading, step schedule and a few real optimizer steps, on the embedded stack.
 
     python bench/scale.py --prompts 100000        # one size per invocation; merged into bench/results/scale.json
 
@@ -238,7 +238,8 @@ async def trainer_probe(cfg: Config, steps: int) -> dict[str, Any]:
     import torch
 
     from services.trainer.data import SampleIndex, ShardCache, epoch_order, shard_keys
-    from services.trainer.train import Trainer, lr_lambda, warmup_steps
+    from services.trainer.loop import Trainer
+    from services.trainer.schedule import StepSchedule, warmup_steps
     from shared.bus import Bus
 
     torch.manual_seed(0)
@@ -267,18 +268,17 @@ async def trainer_probe(cfg: Config, steps: int) -> dict[str, Any]:
         trainer.index = index
         t = time.perf_counter()
         order = epoch_order(len(train), cfg.trainer.seed, 0)
-        per_epoch = trainer._steps_per_epoch(train)
-        pass_steps = trainer._pass_steps(train, order)
+        per_epoch = trainer.packing.steps_per_epoch(train.num_tokens)
+        pass_steps = trainer.packing.pass_steps(trainer.packing.lengths(train.num_tokens, order))
         plan_s = time.perf_counter() - t
-        trainer.total_steps = steps
-        trainer.warmup = warmup_steps(steps, cfg.trainer.warmup_ratio)
-        trainer.sched = torch.optim.lr_scheduler.LambdaLR(trainer.opt, lr_lambda(steps, trainer.warmup))
+        trainer.schedule = StepSchedule(total=steps, warmup=warmup_steps(steps, cfg.trainer.warmup_ratio))
+        trainer.sched = torch.optim.lr_scheduler.LambdaLR(trainer.opt, trainer.schedule.lr_lambda())
         losses, step_s = [], []
         for _ in range(steps):
             t = time.perf_counter()
             out = await asyncio.to_thread(trainer.train_step, train, order)
             step_s.append(time.perf_counter() - t)
-            losses.append(round(out["loss"], 4))
+            losses.append(round(out.loss, 4))
         pids = everything._rows["prompt_id"]
         return {
             "shards": len(keys), "rows": rows, "unique_prompts": len(np.unique(pids)), "kept": len(everything),

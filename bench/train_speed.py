@@ -47,9 +47,10 @@ def samples(tok, cfg) -> list:
 def main() -> int:
     import msgspec
 
+    from services.trainer.build import autocast_dtype, draft_vocab_ids
     from services.trainer.features import Target
     from services.trainer.model import DFlashDrafter, feature_layer_ids, resolve_mask_token_id
-    from services.trainer.train import autocast_dtype, draft_vocab_ids, sequence_blocks, sequence_loss
+    from services.trainer.step import sequence_blocks, sequence_loss
     from shared.config import load_config
     from shared.model import load_causal_lm, load_tokenizer
 

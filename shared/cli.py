@@ -42,7 +42,7 @@ def load(args: argparse.Namespace) -> Config:
     if getattr(args, "run", None):
         import msgspec
 
-        from shared.messages import check_name
+        from shared.topology import check_name
 
         cfg = msgspec.structs.replace(cfg, run=check_name("run", args.run))
     return connect_config(cfg)
@@ -126,7 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dfpipe: config error: {e}", file=sys.stderr)
         return 2
     except Exception as e:
-        if not getattr(e, "fatal", False):
+        from shared.failures import Failure, classify
+
+        if classify(e) is not Failure.FATAL:
             raise
         # a worker stopped by a fault of its settings (shared.bus.Halt, shared.store.StoreMisconfigured): the
         # reason, not a traceback

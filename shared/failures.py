@@ -71,8 +71,7 @@ class Poison(Exception):
 class Halt(Exception):
     """This worker can do no work as it is configured: put the message back and stop the worker."""
 
-    failure = Failure.FATAL
-    fatal = True  # what `dfpipe`'s exit code reads (shared.cli)
+    failure = Failure.FATAL  # also what `dfpipe`'s exit code reads (shared.cli)
 
 
 class GaveUp(Exception):

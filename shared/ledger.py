@@ -2,9 +2,13 @@
 
 What it folds: ShardWritten (SHARDS), TokenizedShard (TOKENIZED) and alerts (PROGRESS), each from the
 last stream sequence it has seen; per poll it also reads the feed manifest (re-read only when its sha256
-changes) and the dead-letter counts per stage (the server's per-subject counts: `dfpipe replay` deletes
-dead letters, so they are counted as they are now, not folded). Status, `dfpipe run`, the trainer and
-the dashboard read it, so the work per poll is the events since the last poll.
+changes), the dead-letter counts per stage (the server's per-subject counts: `dfpipe replay` deletes
+dead letters, so they are counted as they are now, not folded) and the generate consumer's queue. Status,
+`dfpipe run`, the trainer and the dashboard read it, so the work per poll is the events since the last poll.
+
+Whether generation and tokenization are over, and so whether the run's training data is complete (the
+trainer counts a pass as an epoch only then), is decided once, here: `data_complete` and the two stage
+rules over `RunLedger.stages()`.
 
 The snapshot (`Keys.ledger(run)`, one S3 object) is a fold up to its per-stream sequences, so a fresh
 reader loads it and folds the tail. Any snapshot is a self-consistent prefix of the logs: with several
@@ -326,6 +330,8 @@ class RunLedger:
         self.manifest: dict[str, Any] | None = None  # the feed manifest, once written
         self._manifest_sha = ""
         self.dead_lettered: dict[str, int] = {}  # stage -> dead letters in the stream now
+        self.in_flight = 0  # prompts delivered to a generator and not acked, now
+        self.queued = 0  # prompts not yet delivered, now
         self.source = ""  # how the fold began: "snapshot", "logs" (no snapshot) or "rebuilt: <why>"
         self.folded = 0  # events folded by this reader
         self._since_snapshot = 0
@@ -366,7 +372,7 @@ class RunLedger:
                     ledger.cursor[stream] = info.state.last_seq
             if stream == "PROGRESS":
                 ledger.expire_alerts(info.state.first_seq)
-        await asyncio.gather(self._read_manifest(), self._read_dead_letters())
+        await asyncio.gather(self._read_manifest(), self._read_dead_letters(), self._read_prompt_queue())
         self._maybe_snapshot()
         return ledger
 
@@ -464,6 +470,66 @@ class RunLedger:
             stage = subject.split(".")[2]
             counts[stage] = counts.get(stage, 0) + n
         self.dead_lettered = counts
+
+
+    async def _read_prompt_queue(self) -> None:
+        """The generate consumer's in-flight and queued prompts (before any generator has started: every
+        prompt fed is queued)."""
+        try:
+            info = await self.bus.js.consumer_info("PROMPTS", f"generate-{self.run}")
+            self.in_flight, self.queued = info.num_ack_pending, info.num_pending
+        except nats.js.errors.NotFoundError:
+            self.in_flight = 0
+            try:
+                sinfo = await self.bus.js.stream_info("PROMPTS", subjects_filter=Subjects.prompts(self.run))
+            except nats.js.errors.NotFoundError:  # no service has created the streams yet
+                self.queued = 0
+                return
+            self.queued = sum((sinfo.state.subjects or {}).values())
+
+    def stages(self) -> StageCounts:
+        """The numbers each stage's end is decided by, as of the last refresh."""
+        assert self.ledger is not None, "refresh() first"
+        manifest = self.manifest
+        return StageCounts(
+            fed=manifest is not None, accepted=int(manifest.get("total_accepted", 0)) if manifest else 0,
+            completed=self.ledger.completed, generate_dead=self.dead_lettered.get("generate", 0),
+            in_flight=self.in_flight, queued=self.queued, shards=len(self.ledger.shard_keys),
+            tokenized_shards=self.ledger.tokenized_in_shards, tokenize_dead=self.dead_lettered.get("tokenize", 0),
+        )
+
+
+@dataclass(frozen=True)
+class StageCounts:
+    """A run's numbers that say whether generation and tokenization are over (`RunLedger.stages()`)."""
+
+    fed: bool  # the feed manifest is written: the feeder is done
+    accepted: int  # prompts the feeder accepted
+    completed: int  # unique prompts in completion shards
+    generate_dead: int  # prompts dead-lettered by generation
+    in_flight: int  # prompts delivered to a generator, not acked
+    queued: int  # prompts not yet delivered
+    shards: int  # completion shards
+    tokenized_shards: int  # of those, the ones with a tokenized shard
+    tokenize_dead: int  # completion shards dead-lettered by tokenization
+
+
+def generation_done(c: StageCounts) -> bool:
+    """Every accepted prompt is completed or dead-lettered, and none is in flight."""
+    return c.fed and c.accepted > 0 and c.completed + c.generate_dead >= c.accepted and c.in_flight == 0
+
+
+def tokenization_done(c: StageCounts) -> bool:
+    """Every completion shard is tokenized or dead-lettered."""
+    return c.shards > 0 and c.tokenized_shards + c.tokenize_dead >= c.shards
+
+
+def data_complete(c: StageCounts) -> bool:
+    """The run's training data is all there, so a pass over it counts as an epoch: generation and
+    tokenization are done, or nothing was ever fed or generated (then the tokenized shards announced by
+    hand are the whole of it)."""
+    nothing_fed = not c.fed and c.accepted == 0 and c.queued == 0 and c.in_flight == 0 and c.shards == 0
+    return nothing_fed or (generation_done(c) and tokenization_done(c))
 
 
 def _created(info: Any) -> str:

@@ -21,9 +21,6 @@ from typing import Any, Literal
 
 import msgspec
 
-# Re-exported for modules outside this change that still import them from here (services/trainer/train.py).
-from shared.topology import Subjects, check_name  # noqa: F401
-
 SCHEMA_VERSION = 1
 
 
@@ -138,7 +135,7 @@ class TrainerProgress(Message, tag="trainer_progress"):
     run: str
     worker: str
     step: int = 0
-    total_steps: int = 0  # as planned when training began (later data joins epochs, not the plan)
+    total_steps: int = 0  # the step schedule's length now (data that joins later stretches it)
     epoch: int = 0
     loss: float = 0.0
     lr: float = 0.0

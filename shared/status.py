@@ -1,9 +1,9 @@
 """`dfpipe status --run R`: where a run stands, rebuilt from the bus and S3 alone (no service state needed).
 
 The run's durable facts (completed = unique prompt_ids in its ShardWritten log, tokenized shards, data
-quality, dead letters, alerts, the feed manifest) come from its ledger (`shared.ledger.RunLedger`: a
-snapshot plus the events since); in flight / queued from the shared consumer; rates from each worker's
-latest progress event (workers silent for over two minutes are listed but not counted).
+quality, dead letters, alerts, the feed manifest) and the prompts in flight / queued come from its ledger
+(`shared.ledger.RunLedger`: a snapshot plus the events since, and the generate consumer's queue); rates
+from each worker's latest progress event (workers silent for over two minutes are listed but not counted).
 """
 
 from __future__ import annotations
@@ -15,11 +15,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-import nats.js.errors
 
 from shared.bus import Bus
 from shared.config import Config
-from shared.ledger import RunLedger
+from shared.ledger import RunLedger, StageCounts
 from shared.messages import Alert, GeneratorProgress, Message, TrainerProgress
 from shared.store import Store
 from shared.topology import ANY, Subjects
@@ -70,12 +69,7 @@ async def _read(cfg: Config, bus: Bus, store: Store | None,
     st.tokenized_samples, st.tokenized_shards, st.tokenized_records = counts.kept, counts.tokenized_shards, counts.samples_in
     st.dropped = dict(sorted(counts.dropped.items(), key=lambda kv: -kv[1]))
     st.completed, st.shards, st.completion_records = counts.completed, counts.shards, counts.records
-    try:
-        info = await bus.js.consumer_info("PROMPTS", f"generate-{run}")
-        st.in_flight, st.queued = info.num_ack_pending, info.num_pending
-    except nats.js.errors.NotFoundError:  # no generator has started yet: everything fed is queued
-        sinfo = await bus.js.stream_info("PROMPTS", subjects_filter=Subjects.prompts(run))
-        st.queued = sum((sinfo.state.subjects or {}).values())
+    st.in_flight, st.queued = ledger.in_flight, ledger.queued
     st.dead_lettered = dict(ledger.dead_lettered)
     now = time.time()
     trainer = None
@@ -105,48 +99,24 @@ async def _read(cfg: Config, bus: Bus, store: Store | None,
 
 
 @dataclass
-class Picture:
-    """A run's stages as the bus and S3 have them: what `dfpipe run` shows and phases by, and what the
-    trainer asks before it counts a pass over the data as an epoch."""
+class RunOverview:
+    """What `dfpipe run` shows and moves its phases by: the status, the stage numbers (`generation_done`,
+    `tokenization_done` in shared.ledger), the tokenized samples, the trainer's latest progress, alerts."""
 
     status: RunStatus
-    feed_done: bool
-    shards: int
-    tokenized_shards: int
+    stages: StageCounts
     tokenized_samples: int
-    tokenize_dead: int
     trainer: TrainerProgress | None
     alerts: list[Alert]
 
 
-async def picture(cfg: Config, bus: Bus, store: Store, ledger: RunLedger | None = None) -> Picture:
+async def run_overview(cfg: Config, bus: Bus, store: Store, ledger: RunLedger | None = None) -> RunOverview:
     """`ledger` as for `run_status`: a caller that polls keeps one."""
     st, ledger, trainer = await _read(cfg, bus, store, ledger)
     fold = ledger.ledger
     assert fold is not None
-    return Picture(
-        status=st, feed_done=ledger.manifest is not None, shards=len(fold.shard_keys),
-        tokenized_shards=fold.tokenized_in_shards, tokenized_samples=fold.tokenized_samples_in_shards,
-        tokenize_dead=st.dead_lettered.get("tokenize", 0), trainer=trainer, alerts=st.alerts,
-    )
-
-
-def generation_done(p: Picture) -> bool:
-    st = p.status
-    return p.feed_done and st.total > 0 and st.completed + st.dead_lettered.get("generate", 0) >= st.total \
-        and st.in_flight == 0
-
-
-def tokenization_done(p: Picture) -> bool:
-    return p.shards > 0 and p.tokenized_shards + p.tokenize_dead >= p.shards
-
-
-def data_complete(p: Picture) -> bool:
-    """The run's training data is all there: generation and tokenization are done, or nothing was ever
-    fed or generated (then the tokenized shards announced by hand are the whole of it)."""
-    st = p.status
-    nothing_fed = not p.feed_done and st.total == 0 and st.queued == 0 and st.in_flight == 0 and p.shards == 0
-    return nothing_fed or (generation_done(p) and tokenization_done(p))
+    return RunOverview(status=st, stages=ledger.stages(), tokenized_samples=fold.tokenized_samples_in_shards,
+                       trainer=trainer, alerts=st.alerts)
 
 
 def _duration(s: float | None) -> str:

@@ -29,9 +29,6 @@ from minio.error import S3Error, ServerError
 from shared.config import Config, StoreConfig, data_dir
 from shared.failures import Failure, GaveUp, declare_transient, describe, retry_call
 
-# Re-exported for modules outside this change that still import it from here (services/trainer/train.py).
-from shared.topology import Keys  # noqa: F401
-
 log = logging.getLogger("dflash.store")
 T = TypeVar("T")
 
@@ -63,11 +60,10 @@ class S3Busy(StoreError):
 
 class StoreMisconfigured(StoreError):
     """S3 refuses this store's settings (credentials, bucket): no retry helps until a person fixes them.
-    A worker's handler that meets it stops the worker (`fatal`, see shared.bus) instead of failing message
+    A worker's handler that meets it stops the worker (`Failure.FATAL`, see shared.failures) instead of failing message
     after message into the dead letters."""
 
-    failure = Failure.FATAL
-    fatal = True  # what `dfpipe`'s exit code reads (shared.cli)
+    failure = Failure.FATAL  # also what `dfpipe`'s exit code reads (shared.cli)
 
 
 class StoreAuthError(StoreMisconfigured):

@@ -237,7 +237,7 @@ def test_dflash2_trains_resumes_exactly_after_kill9_and_evals_losslessly(stack, 
     assert hf["dflash_config"]["selector_top_k"] == 8 and hf["dflash_config"]["conv_group_size"] == 16
 
     # a resume under the other arch is refused by name, before any tensor is read
-    from services.trainer.train import Trainer
+    from services.trainer.loop import Trainer
 
     async def resume_as(arch: str) -> None:
         cfg = make_config(stack, run_a, trainer={**TINY, **DFLASH2, "arch": arch}, model={"device": "cpu"})

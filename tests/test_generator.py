@@ -17,6 +17,7 @@ from services.feeder.feed import Feeder
 from services.generator.service import run_generator
 from shared.bus import Bus
 from shared.config import Config
+from shared.failures import Failure, classify
 from shared.messages import ShardWritten
 from shared.records import dedupe_completions, read_completions
 from shared.status import format_status, run_status
@@ -336,7 +337,7 @@ async def test_credentials_s3_refuses_fail_the_shards_records_instead_of_retryin
             return_exceptions=True), 30)
     finally:
         await writer.close(timeout_s=5)
-    assert all(isinstance(r, StoreAuthError) and getattr(r, "fatal", False) for r in results), results
+    assert all(isinstance(r, StoreAuthError) and classify(r) is Failure.FATAL for r in results), results
     assert "check AWS_ACCESS_KEY_ID" in str(results[0])
     assert await shard_events(bus, cfg.run) == [] and writer.shards_written == 0
 

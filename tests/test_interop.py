@@ -70,7 +70,6 @@ def trained(stack, stack_env, target_dir: Path, tmp_path_factory):
     from services.tokenizer.samples import SampleBuilder
     from services.trainer.data import load_samples
     from services.trainer.eval import prompt_part
-    from services.trainer.train import latest_key
     from shared.bus import Bus
     from shared.messages import TokenizedShard
     from shared.model import load_causal_lm
@@ -100,7 +99,7 @@ def trained(stack, stack_env, target_dir: Path, tmp_path_factory):
     env = _env(stack_env, **TRAIN)
     proc = _spawn(env, run, tmp / "train.log", "train")
     assert proc.wait(timeout=900) == 0, (tmp / "train.log").read_text()[-3000:]
-    ckpt = json.loads(store.get_bytes(latest_key(run)))["key"]
+    ckpt = json.loads(store.get_bytes(Keys.checkpoint_latest(run)))["key"]
     out = tmp / "drafter"
     for name in ("config.json", "model.safetensors"):
         store.get_file(f"{ckpt}drafter/{name}", out / name)

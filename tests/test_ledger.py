@@ -24,7 +24,7 @@ from shared.bus import Bus
 from shared.config import Config
 from shared.ledger import SCHEMA, Ledger, PromptSet, RunLedger, prompt_hash, prompt_hashes
 from shared.messages import Alert, DeadLetter, Message, ShardWritten, TokenizedShard
-from shared.status import picture, run_status
+from shared.status import run_overview, run_status
 from shared.store import Store
 from shared.topology import ANY, Keys, Subjects
 
@@ -32,7 +32,7 @@ from shared.topology import ANY, Keys, Subjects
 
 
 async def replay_from_start(cfg: Config, bus: Bus, store: Store) -> dict[str, Any]:
-    """Every number status and the run's picture take from the logs, replayed from sequence 1 the way
+    """Every number status and the run overview take from the logs, replayed from sequence 1 the way
     `run_status` did before the ledger (prompt ids kept as strings: no hashing)."""
     run = cfg.run
     manifest = None
@@ -71,7 +71,7 @@ async def replay_from_start(cfg: Config, bus: Bus, store: Store) -> dict[str, An
         "dropped": dict(+dropped), "dead_lettered": dead, "alerts": [msgspec.to_builtins(a) for a in latest.values()],
         "histogram": dict(+hist), "drift": sum(t.retokenization_drift for t in tokenized.values()),
         "supervised_tokens": sum(t.num_supervised for t in tokenized.values()),
-        "picture": {"feed_done": manifest is not None, "shards": len(shard_keys),
+        "overview": {"fed": manifest is not None, "shards": len(shard_keys),
                     "tokenized_shards": len(tokenized.keys() & shard_keys),
                     "tokenized_samples": sum(t.num_samples for k, t in tokenized.items() if k in shard_keys),
                     "tokenize_dead": dead.get("tokenize", 0)},
@@ -79,7 +79,7 @@ async def replay_from_start(cfg: Config, bus: Bus, store: Store) -> dict[str, An
 
 
 async def ledger_numbers(cfg: Config, bus: Bus, store: Store, ledger: RunLedger) -> dict[str, Any]:
-    p = await picture(cfg, bus, store, ledger)
+    p = await run_overview(cfg, bus, store, ledger)
     st = p.status
     assert ledger.ledger is not None
     c = ledger.ledger.counts()
@@ -89,8 +89,8 @@ async def ledger_numbers(cfg: Config, bus: Bus, store: Store, ledger: RunLedger)
         "tokenized_shards": st.tokenized_shards, "tokenized_records": st.tokenized_records, "dropped": st.dropped,
         "dead_lettered": st.dead_lettered, "alerts": [msgspec.to_builtins(a) for a in st.alerts],
         "histogram": c.histogram, "drift": c.drift, "supervised_tokens": c.supervised_tokens,
-        "picture": {"feed_done": p.feed_done, "shards": p.shards, "tokenized_shards": p.tokenized_shards,
-                    "tokenized_samples": p.tokenized_samples, "tokenize_dead": p.tokenize_dead},
+        "overview": {"fed": p.stages.fed, "shards": p.stages.shards, "tokenized_shards": p.stages.tokenized_shards,
+                     "tokenized_samples": p.tokenized_samples, "tokenize_dead": p.stages.tokenize_dead},
     }
 
 
@@ -181,7 +181,7 @@ async def test_ledger_matches_a_full_replay_fresh_warm_and_from_snapshot_plus_ta
     expected = await replay_from_start(cfg, bus, store)
     assert expected["completed"] < sum(len(e.prompt_ids) for _, e in run_events(run, 60, 1) if isinstance(e, ShardWritten))
     assert expected["dead_lettered"].keys() == {"generate", "tokenize"} and len(expected["alerts"]) == 2
-    assert expected["dropped"] and expected["histogram"] and expected["picture"]["tokenized_shards"] < expected["shards"]
+    assert expected["dropped"] and expected["histogram"] and expected["overview"]["tokenized_shards"] < expected["shards"]
 
     fresh = RunLedger(cfg, bus, store)
     assert await ledger_numbers(cfg, bus, store, fresh) == expected

@@ -11,8 +11,9 @@ import msgspec
 from services.generator.backends import make_backend
 from services.generator.service import generator_service
 from shared.bus import consumer_for
-from shared.messages import GeneratorProgress, PromptTask, Subjects
+from shared.messages import GeneratorProgress, PromptTask
 from shared.service import Consumer, Context, Progress, Service, serve, startup_thread
+from shared.topology import Subjects
 from tests.conftest import make_config
 from tests.test_bus import task
 

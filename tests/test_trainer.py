@@ -294,7 +294,7 @@ def test_checkpoint_meets_sglangs_dflash_loader_contract(tmp_path: Path, target_
 def test_draft_vocab_restricts_proposals_and_survives_save_load(tmp_path: Path) -> None:
     from types import SimpleNamespace
 
-    from services.trainer.train import draft_vocab_ids
+    from services.trainer.build import draft_vocab_ids
     from shared.records import TokenizedSample
 
     tc = SimpleNamespace(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
@@ -449,7 +449,7 @@ def test_train_kill9_resume_is_exact_and_eval_is_lossless(stack, stack_env, tmp_
     assert drafter_cfg["torch_dtype"] == "float32"  # SmolLM2's config.json, not a default
 
     # A resume keeps what the weights were trained with, where today's rules would pick another mask token.
-    from services.trainer.train import Trainer
+    from services.trainer.loop import Trainer
 
     async def resume_with_another_mask() -> int:
         cfg = make_config(stack, run_a, trainer={**TINY, "draft_vocab": 64, "init": "target"}, model={"device": "cpu"})
@@ -493,7 +493,7 @@ def test_torchrun_two_ranks_on_gloo_match_one_process(stack, stack_env, tmp_path
     publish_tokenized(stack, run_two)
     # fp32: the test is of the data-parallel arithmetic; bf16 rounding would amplify the different
     # summation order of an all-reduce into loss differences that say nothing about it
-    # planned by epochs, not max_steps: both plans must count every rank's micro-batches
+    # scheduled by epochs, not max_steps: both schedules must count every rank's micro-batches
     steps = {"max_steps": 0, "epochs": 1, "checkpoint_every": 4, "token_budget": 200, "autocast": "off"}
     one = _spawn(_env(stack_env, grad_accum=2, **steps), run_one, tmp_path / "one.log", "train")
     assert one.wait(timeout=600) == 0, (tmp_path / "one.log").read_text()[-3000:]
@@ -504,7 +504,7 @@ def test_torchrun_two_ranks_on_gloo_match_one_process(stack, stack_env, tmp_path
     h1, h2 = progress_history(stack, run_one), progress_history(stack, run_two)
     assert sorted(h1) == sorted(h2) == list(range(1, len(h1) + 1)) and len(h1) >= 4
     for step in h1:
-        assert h2[step].total_steps == h1[step].total_steps == len(h1), step  # the plan is the steps taken
+        assert h2[step].total_steps == h1[step].total_steps == len(h1), step  # the schedule is the steps taken
         assert h2[step].loss == pytest.approx(h1[step].loss, rel=1e-4), step
         assert h2[step].samples_seen == h1[step].samples_seen
     store = Store.open(make_config(stack, run_two))
@@ -542,18 +542,17 @@ def test_trainer_started_before_data_takes_it_from_its_durable_consumer(stack, s
     assert info.num_pending == 0 and info.num_ack_pending == 0  # taken and acked
     assert info.ack_floor.stream_seq == info.delivered.stream_seq
     store = Store.open(cfg)
-    from services.trainer.train import latest_key
 
-    prefix = json.loads(store.get_bytes(latest_key(run)))["key"]
+    prefix = json.loads(store.get_bytes(Keys.checkpoint_latest(run)))["key"]
     state = torch.load(io.BytesIO(store.get_bytes(prefix + "state.pt")), weights_only=False)
     assert [k.split("/")[2] for k in state["cursor"]["shards"]] == ["tokenized"]  # the shard table, in the checkpoint
     assert state["step"] == 4 and progress_history(stack, run)[4].total_steps == 4
 
 
-def test_data_arriving_mid_run_joins_the_next_epoch_and_stretches_the_plan(stack, stack_env, tmp_path: Path) -> None:
-    """Planned by epochs over the first shard; a second shard announced while the first epochs run joins
-    at the next boundary, and the plan grows to the remaining epochs over all the data instead of
-    stopping at the total planned for the first shard alone."""
+def test_data_arriving_mid_run_joins_the_next_epoch_and_stretches_the_schedule(stack, stack_env, tmp_path: Path) -> None:
+    """Scheduled by epochs over the first shard; a second shard announced while the first epochs run joins
+    at the next boundary, and the schedule grows to the remaining epochs over all the data instead of
+    stopping at the total scheduled for the first shard alone."""
     run = new_run()
     publish_tokenized(stack, run, 30)
     proc = _spawn(_env(stack_env, max_steps=0, epochs=3, token_budget=150, checkpoint_every=100, progress_every=1),
@@ -606,10 +605,9 @@ def _publish_generated(stack, run: str, prompt_ids: list[str]) -> str:
 
 
 def _checkpoint_state(stack, run: str) -> dict:
-    from services.trainer.train import latest_key
 
     store = Store.open(make_config(stack, run))
-    prefix = json.loads(store.get_bytes(latest_key(run)))["key"]
+    prefix = json.loads(store.get_bytes(Keys.checkpoint_latest(run)))["key"]
     return torch.load(io.BytesIO(store.get_bytes(prefix + "state.pt")), weights_only=False)
 
 
@@ -697,8 +695,7 @@ def test_an_unreadable_tokenized_shard_is_a_dead_letter_and_training_goes_on(sta
     dead = [d for _, d in asyncio.run(letters())]
     assert len(dead) == 1 and bad_key in dead[0].error and "not a readable tokenized shard" in dead[0].error
     store = Store.open(cfg)
-    from services.trainer.train import latest_key
 
-    prefix = json.loads(store.get_bytes(latest_key(run)))["key"]
+    prefix = json.loads(store.get_bytes(Keys.checkpoint_latest(run)))["key"]
     state = torch.load(io.BytesIO(store.get_bytes(prefix + "state.pt")), weights_only=False)
     assert state["step"] == 2 and bad_key not in state["cursor"]["shards"] and len(state["cursor"]["shards"]) == 1

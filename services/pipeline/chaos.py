@@ -30,13 +30,13 @@ import msgspec
 
 from shared.bus import Bus
 from shared.config import Config, load_config
-from shared.ledger import RunLedger
+from shared.ledger import RunLedger, generation_done, tokenization_done
 from shared.messages import ShardWritten, TokenizedShard
 from shared.records import dedupe_completions, read_completions, read_sample_generations
 from shared.stack import EmbeddedStack, Ports
-from shared.status import generation_done, picture, tokenization_done
+from shared.status import run_overview
 from shared.store import Store
-from shared.topology import Subjects
+from shared.topology import Keys, Subjects
 
 from .run import BUNDLED_PROMPTS, RunRequest, service_specs
 from .supervisor import Supervisor
@@ -229,15 +229,15 @@ class Chaos:
                             break
                     next_fault = time.monotonic() + self.s.fault_every_s
                 try:
-                    p = await picture(cfg, bus, store, ledger)
+                    p = await run_overview(cfg, bus, store, ledger)
                 except Exception as e:
                     print(f"[chaos] status unavailable: {type(e).__name__}: {e}", flush=True)
                     await asyncio.sleep(2)
                     continue
-                if phase == "generate" and generation_done(p):
+                if phase == "generate" and generation_done(p.stages):
                     await asyncio.gather(*(sup.stop_service(n) for n in sup.services if n.startswith("generator-")))
                     phase = "tokenize"
-                if phase == "tokenize" and tokenization_done(p):
+                if phase == "tokenize" and tokenization_done(p.stages):
                     await sup.stop_service("tokenizer")
                     phase = "train"
                 if phase == "train" and sup.state()["trainer"] == "done":
@@ -304,9 +304,8 @@ class Chaos:
 
 
 def checkpoint_step(store: Store, run: str) -> int | None:
-    from services.trainer.train import latest_key  # the trainer's own pointer key (imports torch: only here)
 
-    key = latest_key(run)
+    key = Keys.checkpoint_latest(run)
     return json.loads(store.get_bytes(key))["step"] if store.exists(key) else None
 
 

@@ -22,9 +22,9 @@ import msgspec
 
 from shared.bus import Bus
 from shared.config import Config, data_dir
-from shared.ledger import RunLedger
+from shared.ledger import RunLedger, generation_done, tokenization_done
 from shared.messages import Alert
-from shared.status import Picture, RunStatus, generation_done, picture, run_status, tokenization_done
+from shared.status import RunOverview, RunStatus, run_overview, run_status
 from shared.store import Store
 from shared.topology import Keys, Subjects
 
@@ -101,14 +101,14 @@ class Display:
     def __exit__(self, *exc: object) -> None:
         self.progress.__exit__(*exc)
 
-    def update(self, p: Picture, services: dict[str, str]) -> None:
-        st = p.status
+    def update(self, p: RunOverview, services: dict[str, str]) -> None:
+        st, stages = p.status, p.stages
         eta = f"ETA {int(st.eta_s // 60)}m{int(st.eta_s % 60):02d}s" if st.eta_s else ""
         self.progress.update(self.tasks["fed"], total=st.total or None, completed=st.total,
-                             note=f"{st.rejects} rejected" + ("" if p.feed_done else " (feeding)"))
+                             note=f"{st.rejects} rejected" + ("" if stages.fed else " (feeding)"))
         self.progress.update(self.tasks["generated"], total=st.total or None, completed=st.completed,
                              note=f"{st.completion_tokens_per_s:.0f} tok/s {eta} dead {st.dead_lettered.get('generate', 0)}")
-        self.progress.update(self.tasks["tokenized"], total=p.shards or None, completed=p.tokenized_shards,
+        self.progress.update(self.tasks["tokenized"], total=stages.shards or None, completed=stages.tokenized_shards,
                              note=f"{p.tokenized_samples} samples")
         t = p.trainer
         self.progress.update(self.tasks["trained"], total=(t.total_steps if t else 0) or self.max_steps or None,
@@ -117,7 +117,7 @@ class Display:
         if not self.enabled and time.monotonic() - self.last_line > 10:  # a log line when not on a terminal
             self.last_line = time.monotonic()
             print(f"[{time_of_day()}] fed {st.total} generated {st.completed}/{st.total} tokenized "
-                  f"{p.tokenized_shards}/{p.shards} shards trained {t.step if t else 0} steps | "
+                  f"{stages.tokenized_shards}/{stages.shards} shards trained {t.step if t else 0} steps | "
                   + " ".join(f"{k}={v}" for k, v in services.items()), flush=True)
 
 
@@ -155,7 +155,7 @@ async def run_pipeline(cfg: Config, request: RunRequest, *, env: dict[str, str],
         try:
             with Display(cfg, show) as display:
                 while True:
-                    p = await picture(cfg, bus, store, ledger)
+                    p = await run_overview(cfg, bus, store, ledger)
                     display.update(p, sup.state())
                     looping = [n for n, s in sup.state().items() if s == "crash_loop"]
                     if looping:
@@ -169,10 +169,10 @@ async def run_pipeline(cfg: Config, request: RunRequest, *, env: dict[str, str],
                             print(f"  e.g. {ex[:200]!r}")
                         outcome = 3
                         break
-                    if phase == "generate" and generation_done(p):
+                    if phase == "generate" and generation_done(p.stages):
                         await asyncio.gather(*(sup.stop_service(n) for n in generators))
                         phase = "tokenize"
-                    if phase == "tokenize" and tokenization_done(p):
+                    if phase == "tokenize" and tokenization_done(p.stages):
                         phase = "train"
                         await sup.stop_service("tokenizer")
                     if phase == "train":

@@ -13,7 +13,7 @@ from typing import Any
 def _train(args: argparse.Namespace) -> int:
     from shared.cli import load
 
-    from .train import run_trainer
+    from .loop import run_trainer
 
     cfg = load(args)
     p = asyncio.run(run_trainer(cfg))
@@ -34,7 +34,6 @@ async def _eval_async(cfg: Any, limit: int | None, sampling: Any = None, seeds: 
     from .drafters import load_drafter
     from .eval import GREEDY, evaluate, prompt_part
     from .features import Target
-    from .train import latest_key
 
     store = await asyncio.to_thread(Store.open, cfg)
     async with await Bus.connect(cfg.bus, "eval", deadline_s=30) as bus:
@@ -47,7 +46,7 @@ async def _eval_async(cfg: Any, limit: int | None, sampling: Any = None, seeds: 
         prompts = [prompt_part(held[i]) for i in range(min(len(held), limit or cfg.trainer.eval_prompts))]
         if not prompts:
             raise SystemExit(f"dfpipe eval: run {cfg.run} has no held-out samples (trainer.holdout_mod)")
-        ckpt = json.loads(await asyncio.to_thread(store.get_bytes, latest_key(cfg.run)))["key"]
+        ckpt = json.loads(await asyncio.to_thread(store.get_bytes, Keys.checkpoint_latest(cfg.run)))["key"]
 
         def run() -> dict:
             import tempfile
@@ -108,7 +107,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from .plan import Plan, format_plan
+    from .cost import RunCost, format_cost
 
     rate = args.tokens_per_s
     if args.live_run:
@@ -131,10 +130,10 @@ def _plan(args: argparse.Namespace) -> int:
             print(f"no running generator in run {args.live_run}")
             return 1
         print(f"live: {n} generator(s) of run {args.live_run}, {rate:.1f} tok/s each on average")
-    p = Plan(samples=args.samples, avg_tokens=args.avg_tokens, avg_completion_tokens=args.avg_completion_tokens
+    p = RunCost(samples=args.samples, avg_tokens=args.avg_tokens, avg_completion_tokens=args.avg_completion_tokens
              or args.avg_tokens, target_layers=args.layers, hidden=args.hidden, feature_layers=args.feature_layers,
              gpus=args.gpus, tokens_per_s_per_gpu=rate, target_params_b=args.params_b, epochs=args.epochs)
-    print(json.dumps(p.report(), indent=2) if args.json else format_plan(p))
+    print(json.dumps(p.report(), indent=2) if args.json else format_cost(p))
     return 0
 
 

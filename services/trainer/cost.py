@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 
 
 @dataclass
-class Plan:
+class RunCost:
     samples: int
     avg_tokens: float
     avg_completion_tokens: float
@@ -47,7 +47,7 @@ class Plan:
         return d
 
 
-def format_plan(p: Plan) -> str:
+def format_cost(p: RunCost) -> str:
     r = p.report()
     lines = [
         f"samples {p.samples:,} × ~{p.avg_tokens:,.0f} tokens (~{p.avg_completion_tokens:,.0f} generated)",
