@@ -210,6 +210,7 @@ asyncio.run(main())
 """
 
 
+@pytest.mark.stack  # runs a service in a subprocess
 def test_a_stuck_shutdown_says_where_and_a_second_signal_exits() -> None:
     """A service that does not stop after SIGTERM logs the stacks it waits in; a second SIGTERM ends it."""
     import signal

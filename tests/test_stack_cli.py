@@ -5,9 +5,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from shared.config import StoreConfig
 from shared.stack import EmbeddedStack, Ports, _pid_alive
 from shared.store import Store
+
+pytestmark = pytest.mark.stack  # each test starts stacks through the CLI
 
 
 def dflash(args, env):
