@@ -287,8 +287,6 @@ async def test_a_completion_that_cannot_be_stored_fails_alone_and_the_shard_is_w
 async def test_close_gives_up_on_a_shard_it_cannot_write_after_its_timeout(stack, bus, store):
     """S3 down at shutdown: close() stops retrying after its timeout instead of hanging the process (the
     records' prompts were nak'ed when their handlers were cancelled, so they come back)."""
-    import time as _time
-
     from services.generator.shards import ShardWriter
     from shared.messages import ChatMessage
     from shared.records import CompletionRecord
@@ -305,9 +303,9 @@ async def test_close_gives_up_on_a_shard_it_cannot_write_after_its_timeout(stack
         await asyncio.sleep(1.0)
         assert not flush.done() and not pending.done()
         pending.cancel()  # what the bus does to a handler at the end of the grace period
-        t0 = _time.monotonic()
-        await writer.close(timeout_s=2.0)
-        assert _time.monotonic() - t0 < 6.0
+        # close() returns while the write still fails: it gave up (60 s only turns a hang into a failure)
+        await asyncio.wait_for(writer.close(timeout_s=2.0), timeout=60)
+        assert not flush.done() and writer.shards_written == 0
         flush.cancel()
         await asyncio.gather(flush, pending, return_exceptions=True)
     finally:
