@@ -38,7 +38,7 @@ def test_up_status_down_up_keeps_data(tmp_path):
         Store(StoreConfig(endpoint=stack.s3_endpoint, bucket="dflash"), key, secret).put_bytes("kept", b"day one")
 
         down = dflash(["stack", "down"], env)
-        assert down.returncode == 0 and "stopped" in down.stdout
+        assert down.returncode == 0
         assert not any(_pid_alive(pid, name) for name, pid in (("nats-server", pids["nats"]), ("weed", pids["s3"])))
         assert dflash(["stack", "status"], env).returncode == 1
 

@@ -538,7 +538,7 @@ def test_trainer_started_before_data_takes_it_from_its_durable_consumer(stack, s
         assert proc.poll() is None, (tmp_path / "t.log").read_text()[-3000:]
         assert time.monotonic() < deadline
         time.sleep(0.5)
-    time.sleep(2)
+    _wait_for_progress(stack, run, proc, tmp_path / "t.log", lambda h: any(p.state == "waiting for data" for p in h))
     assert proc.poll() is None and _latest_step(Store.open(cfg), run) == 0  # waiting, not failed
     publish_tokenized(stack, run)
     assert proc.wait(timeout=600) == 0, (tmp_path / "t.log").read_text()[-3000:]
