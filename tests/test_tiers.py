@@ -6,6 +6,7 @@ Pure: an in-process pytest run (pytester) over a few tiny test files, with this 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -56,11 +57,15 @@ def test_resolves_the_model_unmarked():
 
 
 @pytest.fixture
-def suite(pytester: pytest.Pytester) -> pytest.Pytester:
+def suite(pytester: pytest.Pytester) -> Iterator[pytest.Pytester]:
+    import torch
+
     pytester.makeini("[pytest]\nasyncio_default_fixture_loop_scope = session\n")
     pytester.makeconftest((ROOT / "tests" / "conftest.py").read_text())
     pytester.makepyfile(test_tiny=TESTS)
-    return pytester
+    threads = torch.get_num_threads()
+    yield pytester
+    torch.set_num_threads(threads)  # the inner fast-tier run set one thread for this process
 
 
 def test_stack_fixtures_and_the_hand_mark_leave_the_fast_tier(suite: pytest.Pytester) -> None:
