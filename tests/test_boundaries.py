@@ -78,6 +78,7 @@ def test_a_config_file_that_is_not_text_is_named(tmp_path) -> None:
     ("{% for m in messages %}{{ m.content }\n", "fails on a plain conversation at line 1: TemplateSyntaxError"),
     ("{{ raise_exception('not for this model') }}", "fails on a plain conversation: .*not for this model"),
 ])
+@pytest.mark.stack  # loads the target's tokenizer
 def test_a_chat_template_that_does_not_compile_or_render_is_a_template_error(tmp_path, template, match) -> None:
     path = tmp_path / "t.jinja"
     path.write_text(template)
@@ -227,6 +228,7 @@ def fresh_stack_env(tmp_path_factory):
 
 
 @pytest.mark.parametrize("command", READ_ONLY, ids=" ".join)
+@pytest.mark.stack  # fresh_stack_env starts its own stack
 def test_read_only_commands_on_a_fresh_stack_answer_in_one_line(fresh_stack_env, command) -> None:
     r = cli(fresh_stack_env, *command, "--run", "nothing-yet")
     assert r.returncode == 2, r.stdout + r.stderr

@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
+@pytest.mark.stack  # pip installs into a venv
 def test_dfpipe_and_reference_dflash_commands_coexist(tmp_path: Path):
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=True)

@@ -115,6 +115,7 @@ def test_compose_profiles_form_complete_pipelines():
 
 
 @pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose not installed")
+@pytest.mark.stack  # runs docker-compose
 def test_compose_file_validates_with_docker_compose():
     env = {**os.environ, "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", "DFLASH_DASHBOARD_PASSWORD": "p"}
     for profile in ("cpu", "gpu"):

@@ -37,7 +37,7 @@ def _docker_answers() -> bool:
 # Opt-in (DFPIPE_COMPOSE_TEST=1): this run has not yet passed end to end on the 2-core CI machine, where vfs
 # storage copies the 2.6 GB services image into every container; until it has, it stays out of .ci/run.
 OPTED_IN = os.environ.get("DFPIPE_COMPOSE_TEST") == "1"
-pytestmark = [pytest.mark.compose, pytest.mark.slow,
+pytestmark = [pytest.mark.stack, pytest.mark.compose, pytest.mark.slow,
               pytest.mark.skipif(not OPTED_IN, reason="opt-in: set DFPIPE_COMPOSE_TEST=1 (and start dockerd)"),
               pytest.mark.skipif(OPTED_IN and not _docker_answers(), reason="no dockerd, docker-compose or debootstrap here")]
 

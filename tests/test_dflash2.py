@@ -221,7 +221,7 @@ def test_dflash2_trains_resumes_exactly_after_kill9_and_evals_losslessly(stack, 
     run_b = new_run()
     publish_tokenized(stack, run_b)
     env = _env(stack_env, **DFLASH2)
-    kill9_after_first_checkpoint_then_resume(env, store, run_b, tmp_path / "b.log", timeout_s=900)
+    kill9_after_first_checkpoint_then_resume(stack, env, store, run_b, tmp_path / "b.log", timeout_s=900)
 
     ha, hb = progress_history(stack, run_a), progress_history(stack, run_b)
     assert sorted(ha) == sorted(hb) == list(range(1, TINY["max_steps"] + 1))

@@ -107,14 +107,15 @@ async def test_the_last_shard_is_written_once_the_queue_runs_dry(stack, bus, sto
     ids = await fed_ids(cfg, bus, store, prompts_file(tmp_path, 6, "idle"))
     stop = asyncio.Event()
     worker = asyncio.create_task(run_generator(cfg, "w0", stop=stop))
-    try:
+    try:  # 240 s < shard_seconds: only the idle trigger can write the shard in time
         await wait_for(lambda: completed_ids_eq(bus, cfg.run, ids), 240, "all prompts in shards without a stop")
     finally:
+        stopped_at = time.time()
         stop.set()
         await asyncio.wait_for(worker, 120)
     events = await shard_events(bus, cfg.run)
-    last_record = max(r.ts for _, rs in load_shards(store, events) for r in rs)
-    assert events[-1].ts - last_record < 1.0 + 2.0  # idle_s, the flusher's tick, the S3 write
+    assert {r.prompt_id for _, rs in load_shards(store, events) for r in rs} == ids
+    assert events[-1].ts < stopped_at  # announced while the worker ran, not by the shutdown's flush
 
 
 async def test_s3_down_keeps_shards_and_loses_nothing(stack, bus, store, tmp_path, target_dir):
@@ -289,8 +290,6 @@ async def test_a_completion_that_cannot_be_stored_fails_alone_and_the_shard_is_w
 async def test_close_gives_up_on_a_shard_it_cannot_write_after_its_timeout(stack, bus, store):
     """S3 down at shutdown: close() stops retrying after its timeout instead of hanging the process (the
     records' prompts were nak'ed when their handlers were cancelled, so they come back)."""
-    import time as _time
-
     from services.generator.shards import ShardWriter
     from shared.messages import ChatMessage
     from shared.records import CompletionRecord
@@ -307,9 +306,9 @@ async def test_close_gives_up_on_a_shard_it_cannot_write_after_its_timeout(stack
         await asyncio.sleep(1.0)
         assert not flush.done() and not pending.done()
         pending.cancel()  # what the bus does to a handler at the end of the grace period
-        t0 = _time.monotonic()
-        await writer.close(timeout_s=2.0)
-        assert _time.monotonic() - t0 < 6.0
+        # close() returns while the write still fails: it gave up (60 s only turns a hang into a failure)
+        await asyncio.wait_for(writer.close(timeout_s=2.0), timeout=60)
+        assert not flush.done() and writer.shards_written == 0
         flush.cancel()
         await asyncio.gather(flush, pending, return_exceptions=True)
     finally:

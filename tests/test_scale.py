@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import make_config
 
 from services.trainer.data import SampleIndex, ShardCache, held_out
@@ -57,6 +58,7 @@ def test_sample_index_keeps_dedupe_samples_rule_and_fetches_only_new_shards(stac
     assert got.memory_bytes() < 100 * len(got)
 
 
+@pytest.mark.stack  # runs bench/scale.py's stack and services
 def test_scale_bench_small_size_ends_exactly_once_after_kill9(tmp_path: Path) -> None:
     out = tmp_path / "scale.json"
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "scale.py"), "--prompts", "2000", "--steps", "1",

@@ -95,6 +95,7 @@ def test_bad_credentials_and_missing_bucket_are_clear(cfg):
         missing.ping()
 
 
+@pytest.mark.stack  # starts and stops its own stack
 def test_s3_down_mid_run_retries_then_clear_error_then_recovers(tmp_path):
     s = EmbeddedStack(tmp_path, Ports.free())
     s.start()

@@ -1,6 +1,10 @@
 import sys
 
+import pytest
+
 from services.pipeline.supervisor import ServiceSpec, Supervisor
+
+pytestmark = pytest.mark.stack  # the supervisor runs real processes
 
 
 async def test_crash_loop_is_reported_and_one_shot_finishes(tmp_path):

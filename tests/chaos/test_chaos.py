@@ -7,7 +7,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from services.pipeline.chaos import FAULTS, ChaosSettings, run_chaos
+
+pytestmark = pytest.mark.stack  # its own stack and services
 
 
 def test_chaos_run_loses_and_duplicates_nothing(tmp_path: Path) -> None:
