@@ -243,7 +243,8 @@ class Trainer:
         resumed = await asyncio.to_thread(self.load_latest)
         subject = Subjects.progress(self.run, "train", self.worker)
         samples: SampleSet | None = None
-        checkpoint_key: str | None = None
+        # a resume starts at a saved checkpoint: one that is already at the last step saves nothing again
+        checkpoint_key: str | None = Keys.checkpoint(self.run, self.step) if resumed else None
         heartbeat = ProgressLoop(self.bus, subject, lambda: self.last, 10.0) if self.dist.main else contextlib.nullcontext()
         self.feed = ShardFeed(self.bus, self.run, self.cursor.shards, self.index) if self.dist.main else None
         async with heartbeat, self.feed or contextlib.nullcontext():
