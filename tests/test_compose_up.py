@@ -23,7 +23,8 @@ import pytest
 
 from shared.config import load_config
 from shared.stack import free_port
-from shared.store import Keys, Store
+from shared.store import Store
+from shared.topology import Keys
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = 40

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch  # before pytester snapshots sys.modules: a torch it removed could not be imported again
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,8 +59,6 @@ def test_resolves_the_model_unmarked():
 
 @pytest.fixture
 def suite(pytester: pytest.Pytester) -> Iterator[pytest.Pytester]:
-    import torch
-
     pytester.makeini("[pytest]\nasyncio_default_fixture_loop_scope = session\n")
     pytester.makeconftest((ROOT / "tests" / "conftest.py").read_text())
     pytester.makepyfile(test_tiny=TESTS)
