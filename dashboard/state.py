@@ -314,8 +314,9 @@ def checkpoint_rows(rs: RunState) -> list[dict[str, Any]]:
 
 
 def eval_rows(rs: RunState) -> list[dict[str, Any]]:
-    return [{"checkpoint": e.checkpoint_key, "prompts": e.prompts, "τ": round(e.tau, 3),
-             "speedup": round(e.speedup, 2), "lossless": e.lossless, "mismatches": e.mismatches}
+    return [{"checkpoint": e.checkpoint_key, "prompts": e.prompts, "temperature": e.temperature, "τ": round(e.tau, 3),
+             "speedup": round(e.speedup, 2),
+             "lossless": e.lossless if e.lossless is not None else "by the sampling rule", "mismatches": e.mismatches}
             for e in rs.evals]
 
 

@@ -156,7 +156,9 @@ class EvalReport(Message, tag="eval_report"):
     tau: float = 0.0
     acceptance_histogram: list[int] = []  # index = tokens accepted in a cycle (bonus included)
     speedup: float = 0.0
-    lossless: bool = False  # every output equal to plain greedy decoding, token for token (greedy runs only)
+    # greedy: every output equal to plain greedy decoding, token for token; None for a sampled run (lossless by
+    # the rejection rule, not comparable token by token)
+    lossless: bool | None = None
     mismatches: int = 0
     temperature: float = 0.0  # > 0: sampled (lossless speculative sampling, not compared token by token)
     top_p: float = 1.0
@@ -164,6 +166,7 @@ class EvalReport(Message, tag="eval_report"):
     seeds: int = 1
     tau_per_seed: list[float] = []
     tau_std: float = 0.0  # sample standard deviation of tau over seeds
+    max_new_tokens: int = 0  # per prompt (trainer.eval_max_new_tokens); 0 in reports written before it was kept
 
 
 class Alert(Message, tag="alert"):

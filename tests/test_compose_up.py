@@ -200,11 +200,11 @@ def test_compose_cpu_profile_runs_the_pipeline_and_resumes_without_redoing(tmp_p
         compose.wait_done("eval-cpu", TIMEOUT_S)
         second = _status(client_env)
         after = _s3_objects(client_env)
-        produced = ("/completions/", "/tokenized/", "/checkpoints/")
+        produced = ("/completions/", "/tokenized/", "/checkpoints/", "/eval/")
         rewritten = sorted(k for k, v in after.items() if any(p in k for p in produced) and objects.get(k) != v)
         _log(f"after down/up: completed {second['completed']} records {second['completion_records']} "
              f"shards {second['shards']} tokenized shards {second['tokenized_shards']} step {second['trainer_step']}; "
-             f"S3 objects under completions/, tokenized/, checkpoints/ new or rewritten: {rewritten}")
+             f"S3 objects under completions/, tokenized/, checkpoints/, eval/ new or rewritten: {rewritten}")
         for field in ("total", "completed", "completion_records", "shards", "tokenized_shards",
                       "tokenized_samples", "trainer_step"):
             assert second[field] == first[field], (field, first[field], second[field])

@@ -184,7 +184,21 @@ def test_dfpipe_eval_reports_greedy_and_sampled_tau(trained) -> None:
     sampled = msgspec.json.decode(store.get_bytes(Keys.eval_report(run)), type=EvalReport)
     assert (sampled.temperature, sampled.top_p, sampled.seeds) == (0.7, 0.95, 2)
     assert len(sampled.tau_per_seed) == 2 and all(t >= 1 for t in sampled.tau_per_seed) and sampled.tau >= 1
-    assert "± " in ev.stdout and not sampled.lossless  # not compared token by token, and it says so
+    assert "± " in ev.stdout and sampled.lossless is None  # not compared token by token, and it says so
+    # the same checkpoint and settings again (a restart, compose `up` after `down`): the report is reused, not redone
+    def report_object():  # the S3 object itself: a rewrite changes its etag (the report's ts) and last-modified
+        return store.client.stat_object(store.bucket, Keys.eval_report(run))
+
+    before = report_object()
+    again = subprocess.run([sys.executable, "-m", "shared.cli", "eval", "--run", run, "--temperature", "0.7",
+                            "--top-p", "0.95", "--seeds", "2"], env=env, capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0, again.stdout + again.stderr
+    after = report_object()
+    assert (after.etag, after.last_modified) == (before.etag, before.last_modified) and "already evaluated" in again.stdout
+    forced = subprocess.run([sys.executable, "-m", "shared.cli", "eval", "--run", run, "--temperature", "0.7",
+                             "--top-p", "0.95", "--seeds", "2", "--force"], env=env, capture_output=True, text=True,
+                            timeout=900)
+    assert forced.returncode == 0 and report_object().etag != before.etag and "already evaluated" not in forced.stdout
     bad = subprocess.run([sys.executable, "-m", "shared.cli", "eval", "--run", run, "--top-p", "1.5"], env=env,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "top_p" in bad.stderr

@@ -22,7 +22,16 @@ def _train(args: argparse.Namespace) -> int:
     return 0 if p.state == "done" else 3  # "stopped": resumable, not finished
 
 
-async def _eval_async(cfg: Any, limit: int | None, sampling: Any = None, seeds: int = 1) -> dict:
+def same_evaluation(report: Any, ckpt: str, prompts: int, max_new: int, sampling: Any, seeds: int) -> bool:
+    """Whether `report` already evaluated this checkpoint with these settings (then `dfpipe eval` reuses it)."""
+    return (report.checkpoint_key == ckpt and report.prompts == prompts and report.max_new_tokens == max_new
+            and (report.temperature, report.top_p, report.top_k) == (sampling.temperature, sampling.top_p, sampling.top_k)
+            and (sampling.greedy or report.seeds == seeds))
+
+
+async def _eval_async(cfg: Any, limit: int | None, sampling: Any = None, seeds: int = 1, force: bool = False) -> dict:
+    """The eval's numbers (`reused`: True when the run's report already had them: same checkpoint and settings)."""
+    import msgspec
     import torch
 
     from shared.bus import Bus
@@ -47,6 +56,15 @@ async def _eval_async(cfg: Any, limit: int | None, sampling: Any = None, seeds: 
         if not prompts:
             raise SystemExit(f"dfpipe eval: run {cfg.run} has no held-out samples (trainer.holdout_mod)")
         ckpt = json.loads(await asyncio.to_thread(store.get_bytes, Keys.checkpoint_latest(cfg.run)))["key"]
+        sampling = sampling or GREEDY
+        max_new = cfg.trainer.eval_max_new_tokens
+        if not force and await asyncio.to_thread(store.exists, Keys.eval_report(cfg.run)):
+            # a restart (compose `up` again, a rerun of the pipeline) does not redo minutes of decoding for the
+            # same checkpoint: the report already holds them
+            old = msgspec.json.decode(await asyncio.to_thread(store.get_bytes, Keys.eval_report(cfg.run)),
+                                      type=EvalReport)
+            if same_evaluation(old, ckpt, len(prompts), max_new, sampling, seeds):
+                return {**msgspec.to_builtins(old), "cycles": sum(old.acceptance_histogram), "reused": True}
 
         def run() -> dict:
             import tempfile
@@ -63,21 +81,19 @@ async def _eval_async(cfg: Any, limit: int | None, sampling: Any = None, seeds: 
             eos = lm.generation_config.eos_token_id
             eos = set(eos if isinstance(eos, list) else [eos if eos is not None else tok.eos_token_id])
             torch.manual_seed(0)
-            return evaluate(Target(lm, drafter.config.target_layer_ids), drafter, prompts,
-                            cfg.trainer.eval_max_new_tokens, eos, sampling or GREEDY, seeds)
+            return evaluate(Target(lm, drafter.config.target_layer_ids), drafter, prompts, max_new, eos, sampling,
+                            seeds)
 
         r = await asyncio.to_thread(run)
         report = EvalReport(run=cfg.run, checkpoint_key=ckpt, prompts=r["prompts"], tau=r["tau"],
                             acceptance_histogram=r["acceptance_histogram"], speedup=r["speedup"],
-                            lossless=bool(r["lossless"]), mismatches=r["mismatches"], temperature=r["temperature"],
+                            lossless=r["lossless"], mismatches=r["mismatches"], temperature=r["temperature"],
                             top_p=r["top_p"], top_k=r["top_k"], seeds=r["seeds"], tau_per_seed=r["tau_per_seed"],
-                            tau_std=r["tau_std"])
-        import msgspec
-
+                            tau_std=r["tau_std"], max_new_tokens=max_new)
         await asyncio.to_thread(store.put_bytes, Keys.eval_report(cfg.run), msgspec.json.encode(report),
                                 "application/json")
         await bus.publish(Subjects.progress(cfg.run, "eval", "eval"), report)
-        return r
+        return {**r, "reused": False}
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -92,7 +108,10 @@ def _eval(args: argparse.Namespace) -> int:
     if args.seeds < 1:
         raise SystemExit(f"dfpipe eval: --seeds must be >= 1, not {args.seeds}")
     cfg = load(args)
-    r = asyncio.run(_eval_async(cfg, args.prompts, sampling, args.seeds))
+    r = asyncio.run(_eval_async(cfg, args.prompts, sampling, args.seeds, force=args.force))
+    if r["reused"]:
+        print(f"eval {cfg.run}: checkpoint {r['checkpoint_key']} was already evaluated with these settings; "
+              "its report is kept (--force evaluates again)")
     if sampling.greedy:
         print(f"eval {cfg.run}: τ = {r['tau']:.3f} over {r['cycles']} cycles on {r['prompts']} held-out prompts; "
               f"speedup {r['speedup']:.2f}x vs greedy; lossless: {r['lossless']} ({r['mismatches']} mismatches)")
@@ -151,6 +170,8 @@ def register(sub: Any, replay: Any) -> None:
     e.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (with --temperature)")
     e.add_argument("--top-k", type=int, default=0, help="top-k sampling, 0: off (with --temperature)")
     e.add_argument("--seeds", type=int, default=3, help="sampled runs: seeds to repeat over (τ's spread)")
+    e.add_argument("--force", action="store_true",
+                   help="evaluate again even when the run's report already holds this checkpoint and these settings")
     e.set_defaults(func=_eval)
     pl = sub.add_parser("plan", help="capacity planner: generation ETA, offline storage, online training cost")
     pl.add_argument("--samples", type=int, default=902_087)
