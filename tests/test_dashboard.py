@@ -35,6 +35,16 @@ ROOT = Path(__file__).resolve().parents[1]
 APP = ROOT / "dashboard" / "app.py"
 
 
+@pytest.fixture(autouse=True, scope="module")
+def release_listeners() -> Iterator[None]:
+    """The page's cached Listener threads stop with this module (as a server's would on release), not poll a
+    stack that is gone until the process exits."""
+    yield
+    import streamlit as st
+
+    st.cache_resource.clear()
+
+
 def texts(elements) -> list[str]:
     return [str(e.value) for e in elements]
 
