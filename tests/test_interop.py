@@ -68,8 +68,7 @@ def trained(stack, stack_env, target_dir: Path, tmp_path_factory):
 
     from services.tokenizer.fingerprint import load_target_tokenizer, template_fingerprint
     from services.tokenizer.samples import SampleBuilder
-    from services.trainer.data import load_samples
-    from services.trainer.eval import prompt_part
+    from services.trainer.data import load_samples, prompt_part
     from shared.bus import Bus
     from shared.messages import TokenizedShard
     from shared.model import load_causal_lm

@@ -111,6 +111,7 @@ def test_dflash_run_end_to_end_then_resume(stack, stack_env, tmp_path: Path) -> 
     report = msgspec.json.decode(store.get_bytes(Keys.eval_report(run)), type=EvalReport)
     assert report.lossless and report.prompts >= 1 and report.tau >= 1.0
     assert "eval: τ =" in out and f"runs/{run}/checkpoints/" in out  # the report and where artifacts are
+    assert "what to expect on this CPU" in out  # generators on CPU: how to read a 135M target's τ and speedup
     samples = sum(1 for _ in read_samples_of(store, run))
     assert f"run {run}: 12 of 12 prompts completed (1 rejected at feed, 0 dead letters); {samples} training samples " \
            "kept of 12 records" in out, out[-3000:]

@@ -39,9 +39,9 @@ async def _eval_async(cfg: Any, limit: int | None, sampling: Any = None, seeds: 
     from shared.store import Store
     from shared.topology import Keys, Subjects
 
-    from .data import ShardCache, load_samples, shard_keys
+    from .data import held_out_prompts
     from .drafters import load_drafter
-    from .eval import GREEDY, evaluate, prompt_part
+    from .eval import GREEDY, evaluate
     from .features import Target
 
     store = await asyncio.to_thread(Store.open, cfg)
@@ -49,10 +49,7 @@ async def _eval_async(cfg: Any, limit: int | None, sampling: Any = None, seeds: 
         if missing := await bus.run_missing(cfg.run):
             print(f"dfpipe eval: {missing}", file=sys.stderr)
             raise SystemExit(2)
-        keys = await shard_keys(bus, cfg.run)
-        held = await asyncio.to_thread(load_samples, store, keys, holdout_mod=cfg.trainer.holdout_mod, train=False,
-                                       cache=ShardCache.for_config(cfg))
-        prompts = [prompt_part(held[i]) for i in range(min(len(held), limit or cfg.trainer.eval_prompts))]
+        prompts = await held_out_prompts(cfg, store, bus, limit)
         if not prompts:
             raise SystemExit(f"dfpipe eval: run {cfg.run} has no held-out samples (trainer.holdout_mod)")
         ckpt = json.loads(await asyncio.to_thread(store.get_bytes, Keys.checkpoint_latest(cfg.run)))["key"]

@@ -131,6 +131,22 @@ async def shard_keys(bus: Bus, run: str) -> list[str]:
     return newest_keys(shards)
 
 
+def prompt_part(sample: TokenizedSample) -> list[int]:
+    """A tokenized sample's prompt: everything before its first supervised token."""
+    first = next((i for i, m in enumerate(sample.loss_mask) if m), len(sample.loss_mask))
+    return list(sample.input_ids[:first])
+
+
+async def held_out_prompts(cfg: Config, store: Store, bus: Bus, limit: int | None = None) -> list[list[int]]:
+    """The prompts `dfpipe eval` decodes: the first `limit` (default `trainer.eval_prompts`) held-out samples'
+    prompt parts, in shard order, so that any other decoder (the reference's loop in the quality bench)
+    is given exactly the same ones."""
+    keys = await shard_keys(bus, cfg.run)
+    held = await asyncio.to_thread(load_samples, store, keys, holdout_mod=cfg.trainer.holdout_mod, train=False,
+                                   cache=ShardCache.for_config(cfg))
+    return [prompt_part(held[i]) for i in range(min(len(held), limit or cfg.trainer.eval_prompts))]
+
+
 def _holdout_hash(prompt_id: str) -> int:
     return int(hashlib.sha256(prompt_id.encode()).hexdigest()[:8], 16)
 

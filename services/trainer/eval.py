@@ -240,8 +240,3 @@ def evaluate(target: Target, drafter: DFlashDrafter, prompts: list[list[int]], m
             "cycles": len(cycles_all), "temperature": sampling.temperature, "top_p": sampling.top_p,
             "top_k": sampling.top_k, "seeds": len(taus), "tau_per_seed": taus, "tau_std": spread}
 
-
-def prompt_part(sample: Any) -> list[int]:
-    """A tokenized sample's prompt: everything before its first supervised token."""
-    first = next((i for i, m in enumerate(sample.loss_mask) if m), len(sample.loss_mask))
-    return list(sample.input_ids[:first])
