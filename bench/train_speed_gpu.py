@@ -32,7 +32,8 @@ def random_samples(n: int, length: int, prompt: int, vocab: int, seed: int) -> l
 
     g = torch.Generator().manual_seed(seed)
     return [TokenizedSample(prompt_id=f"s{i}", input_ids=torch.randint(0, vocab - 1, (length,), generator=g).tolist(),
-                            loss_mask=[0] * prompt + [1] * (length - prompt)) for i in range(n)]
+                            loss_mask=[0] * prompt + [1] * (length - prompt), num_tokens=length,
+                            num_supervised=length - prompt) for i in range(n)]
 
 
 def main() -> int:
@@ -60,7 +61,7 @@ def main() -> int:
     torch.manual_seed(0)
     t0 = time.perf_counter()
     with torch.device(device):  # built where it runs: 16 GB of bf16 weights never touch the host
-        lm = AutoModelForCausalLM.from_config(Qwen3Config(**spec), torch_dtype=dtype).eval()
+        lm = AutoModelForCausalLM.from_config(Qwen3Config(**spec), dtype=dtype).eval()
     build_s = time.perf_counter() - t0
     for p in lm.parameters():
         p.requires_grad_(False)
@@ -68,7 +69,7 @@ def main() -> int:
     ids = feature_layer_ids(layers, 5)
     target = Target(lm, ids)
     base = TrainerConfig()  # the defaults: B=16, 5 layers, 512 anchors, token_budget 16384
-    per_micro = max(1, base.token_budget // args.length)
+    per_micro = 2 if args.tiny else max(1, base.token_budget // args.length)  # tiny: a check, not a measure
     samples = random_samples(per_micro, args.length, args.length // 8, spec["vocab_size"], 0)
     micro = [[(i, s) for i, s in enumerate(samples)]]
     tokens = per_micro * args.length
