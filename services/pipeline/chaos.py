@@ -202,8 +202,6 @@ class Chaos:
     async def _drive(self, cfg: Config, sup: Supervisor, store: Store) -> None:
         pending = list(FAULTS)
         self.rng.shuffle(pending)
-        pending.remove("kill_trainer")
-        pending.insert(0, "kill_trainer")  # first in line: it waits for the first checkpoint
         injected = 0
         next_fault = time.monotonic() + self.s.fault_every_s
         phase = "generate"
@@ -219,8 +217,13 @@ class Chaos:
                 if looping:
                     self.report.failures.append(f"crash loop: {', '.join(looping)}")
                     return
+                # the trainer's kill is due the moment a checkpoint exists: its window (first checkpoint to the
+                # last step) lasts seconds on a fast machine, shorter than the time between timed faults
+                if "kill_trainer" in pending and await self.inject("kill_trainer", sup, store):
+                    injected += 1
+                    pending.remove("kill_trainer")
                 if injected < self.s.max_faults and time.monotonic() >= next_fault:
-                    kinds = pending or list(FAULTS)
+                    kinds = [k for k in pending if k != "kill_trainer"] or list(FAULTS)
                     for kind in list(kinds):
                         if await self.inject(kind, sup, store):
                             injected += 1
