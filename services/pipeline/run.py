@@ -230,9 +230,10 @@ def print_artifacts(cfg: Config, store: Store, report: dict | None, st: RunStatu
 # measurements on such a machine (bench/results/train_quality.json; README, "Status of this build").
 EXPECTED_ON_A_SMALL_CPU = (
     "  what to expect on this CPU: τ (tokens per cycle, bonus included) is the drafter's quality. The demo\n"
-    "  (350 prompts, 4 epochs of a two-layer DFlash 2 drafter) ends near τ 1.9 (measured: 1.90 on 16\n"
-    "  held-out prompts); 1,500 prompts and 30 minutes reach τ 2.0 (bench/train_quality.py). The speedup stays below 1x (0.95x at τ 2.0): a\n"
-    "  135M target on a CPU is compute-bound, so a drafter pass plus a block-wide verify cost about what the\n"
+    "  (350 prompts, 4 epochs of a two-layer DFlash 2 drafter) ends near τ 1.9 (measured alone on 2 cores:\n"
+    "  τ 1.905 on 16 held-out prompts, speedup 0.90x, 19 minutes in all); 1,500 prompts and 30 minutes of\n"
+    "  training reach τ 2.0 (bench/train_quality.py). The speedup stays below 1x (0.95x at τ 2.0): a 135M\n"
+    "  target on a CPU is compute-bound, so a drafter pass plus a block-wide verify cost about what the\n"
     "  tokens they save would. Speculative decoding pays where the target is large and memory-bound (an 8B+\n"
     "  target on a GPU: the paper reports τ 6.49 and 4.86x for Qwen3-8B). τ carries over; the speedup is\n"
     "  this machine's.")
