@@ -18,11 +18,12 @@ schema or run, or ahead of the logs (a stream recreated) is dropped with a warni
 rebuilt from sequence 1 of the logs: never a wrong number, never a crash.
 
 Size and memory: unique prompts are stable 64-bit hashes (`prompt_hash`: a chance of one collision below
-1e-7 at a million prompts): in the snapshot a sorted uint64 array (8 bytes per
-prompt, 7.3 MB at 914K), kept as it is by the reader that loads it; the prompts folded since are a Python set
-(~70 bytes per prompt: one lookup per id keeps the fold fast); per completion shard its key, per tokenized shard its numbers (~150
-bytes each); alerts within PROGRESS's retention; 512 rate points per counter. All of it grows linearly with
-the run and none of it per token; bench/ledger.py measures it at 914K prompts.
+1e-7 at a million prompts): in the snapshot a sorted uint64 array (8 bytes per prompt, 7.3 MB at 914K), kept
+as it is by the reader that loads it; the prompts folded since are a Python set (~70 bytes per prompt: one
+lookup per id keeps the fold fast); per completion shard its key, per tokenized shard its numbers (~150
+bytes each); per generator worker three totals (a restarted generator counts on from them); alerts within
+PROGRESS's retention; 512 rate points per counter. All of it grows linearly with the run and none of it per
+token; bench/ledger.py measures it at 914K prompts.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from shared.topology import ANY, Keys, Subjects
 
 log = logging.getLogger("dflash.ledger")
 
-SCHEMA = 1  # the snapshot's layout; a snapshot of any other is rebuilt from the logs
+SCHEMA = 2  # the snapshot's layout; a snapshot of any other is rebuilt from the logs
 MAGIC = b"dflash-ledger\n"
 POINTS = 512  # (ts, count) points kept per counter for rates: minutes of history at any shard rate
 SNAPSHOT_AFTER_EVENTS = 2000  # a reader that folded this many events since the last snapshot writes one...
@@ -120,6 +121,14 @@ class TokenizedEntry(msgspec.Struct, array_like=True):
                    e.supervised_histogram)
 
 
+class WorkerTotals(msgspec.Struct, array_like=True):
+    """One generator's durable output, summed over its shards: what its restarted process counts on from."""
+
+    records: int = 0
+    completion_tokens: int = 0
+    shards: int = 0
+
+
 @dataclass(frozen=True)
 class DurableCounts:
     """A copy of a ledger's numbers (no id sets), cheap enough to take on every page refresh."""
@@ -170,6 +179,7 @@ class _Snapshot(msgspec.Struct, kw_only=True):
     records: int
     prompts: bytes  # sorted little-endian uint64 prompt hashes
     shard_keys: list[str]
+    workers: dict[str, WorkerTotals]
     tokenized: list[tuple[str, TokenizedEntry]]  # completion shard key -> its latest tokenized shard
     completed_points: list[tuple[float, int]]
     tokenized_points: list[tuple[float, int]]
@@ -195,6 +205,7 @@ class Ledger:
         self.prompts = PromptSet()  # prompt_hash of every completed prompt
         self.shard_keys: set[str] = set()
         self.records = 0
+        self.workers: dict[str, WorkerTotals] = {}  # generator worker -> its shards' totals
         self.tokenized: dict[str, TokenizedEntry] = {}  # completion shard key -> its latest tokenized shard
         self.tokenized_in_shards = 0  # of self.tokenized, those whose completion shard is in shard_keys
         self.tokenized_samples_in_shards = 0
@@ -214,6 +225,10 @@ class Ledger:
                 return
             self.shard_keys.add(event.key)
             self.records += event.num_records
+            mine = self.workers.setdefault(event.worker, WorkerTotals())
+            mine.records += event.num_records
+            mine.completion_tokens += event.completion_tokens
+            mine.shards += 1
             self.prompts.update(prompt_hashes(event.prompt_ids))
             self.completed_points.append((event.ts, self.completed))
             tokenized = self.tokenized.get(event.key)
@@ -267,7 +282,8 @@ class Ledger:
         snap = _Snapshot(
             run=self.run, cursor=dict(self.cursor), created=dict(self.created), records=self.records,
             prompts=self.prompts.sorted_array().astype("<u8").tobytes(), shard_keys=sorted(self.shard_keys),
-            tokenized=list(self.tokenized.items()), completed_points=list(self.completed_points),
+            workers=dict(self.workers), tokenized=list(self.tokenized.items()),
+            completed_points=list(self.completed_points),
             tokenized_points=list(self.tokenized_points), alerts=list(self.alerts),
         )
         return MAGIC + SCHEMA.to_bytes(4, "little") + _snapshot_encoder.encode(snap)
@@ -295,6 +311,7 @@ class Ledger:
         ledger.cursor, ledger.created, ledger.records = dict(snap.cursor), dict(snap.created), snap.records
         ledger.prompts = PromptSet(prompts)
         ledger.shard_keys = set(snap.shard_keys)
+        ledger.workers = dict(snap.workers)
         ledger.tokenized = dict(snap.tokenized)
         for source, entry in ledger.tokenized.items():
             ledger._quality.add(entry, 1)

@@ -146,6 +146,7 @@ class TrainerProgress(Message, tag="trainer_progress"):
     samples_seen: int = 0
     checkpoint_key: str | None = None
     state: str = "running"
+    resumes: int = 0  # times this run's training went on from a checkpoint (kept in the checkpoints)
 
 
 class EvalReport(Message, tag="eval_report"):

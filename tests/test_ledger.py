@@ -41,11 +41,14 @@ async def replay_from_start(cfg: Config, bus: Bus, store: Store) -> dict[str, An
     prompts: set[str] = set()
     shard_keys: set[str] = set()
     records = 0
+    workers: dict[str, list[int]] = {}  # worker -> [records, completion tokens, shards]
     tokenized: dict[str, TokenizedShard] = {}
     async for _, e in bus.replay("SHARDS", Subjects.shards(run), 1, ShardWritten):
         if e.key not in shard_keys:
             shard_keys.add(e.key)
             records += e.num_records
+            mine = workers.setdefault(e.worker, [0, 0, 0])
+            mine[0], mine[1], mine[2] = mine[0] + e.num_records, mine[1] + e.completion_tokens, mine[2] + 1
             prompts.update(e.prompt_ids)
     async for _, e in bus.replay("TOKENIZED", Subjects.tokenized(run), 1, TokenizedShard):
         if e.source_key not in tokenized or tokenized[e.source_key].key != e.key:
@@ -65,7 +68,7 @@ async def replay_from_start(cfg: Config, bus: Bus, store: Store) -> dict[str, An
     return {
         "total": int(manifest["total_accepted"]) if manifest else 0,
         "rejects": int(manifest["total_rejected"]) if manifest else 0,
-        "completed": len(prompts), "completion_records": records, "shards": len(shard_keys),
+        "completed": len(prompts), "completion_records": records, "shards": len(shard_keys), "workers": workers,
         "tokenized_samples": kept, "tokenized_shards": len(tokenized),
         "tokenized_records": kept + sum(dropped.values()),
         "dropped": dict(+dropped), "dead_lettered": dead, "alerts": [msgspec.to_builtins(a) for a in latest.values()],
@@ -85,7 +88,9 @@ async def ledger_numbers(cfg: Config, bus: Bus, store: Store, ledger: RunLedger)
     c = ledger.ledger.counts()
     return {
         "total": st.total, "rejects": st.rejects, "completed": st.completed,
-        "completion_records": st.completion_records, "shards": st.shards, "tokenized_samples": st.tokenized_samples,
+        "completion_records": st.completion_records, "shards": st.shards,
+        "workers": {w: [t.records, t.completion_tokens, t.shards] for w, t in ledger.ledger.workers.items()},
+        "tokenized_samples": st.tokenized_samples,
         "tokenized_shards": st.tokenized_shards, "tokenized_records": st.tokenized_records, "dropped": st.dropped,
         "dead_lettered": st.dead_lettered, "alerts": [msgspec.to_builtins(a) for a in st.alerts],
         "histogram": c.histogram, "drift": c.drift, "supervised_tokens": c.supervised_tokens,
@@ -107,7 +112,8 @@ def run_events(run: str, shards: int, seed: int, first: int = 0) -> list[tuple[s
         key = Keys.completions(run, f"w{i % 3}", i)
         ids = rng.sample(pool, rng.randint(3, 12))
         written = ShardWritten(run=run, key=key, worker=f"w{i % 3}", seq=i, num_records=len(ids) + i % 2,
-                               prompt_ids=ids, sha256="0" * 64, size_bytes=100, ts=1000.0 + i)
+                               prompt_ids=ids, completion_tokens=17 * len(ids) + i, sha256="0" * 64, size_bytes=100,
+                               ts=1000.0 + i)
         tokenized = TokenizedShard(
             run=run, key=Keys.tokenized(run, "fp1", f"s{i}"), source_key=key, fingerprint="fp1",
             num_samples=len(ids) - i % 3, num_tokens=100 * len(ids), num_supervised=40 * len(ids), sha256="1" * 64,

@@ -417,8 +417,12 @@ def kill9_after_first_checkpoint_then_resume(stack, env: dict, store: Store, run
     assert checkpoint < TINY["max_steps"]
     b2 = _spawn(env, run, log, "train")
     assert b2.wait(timeout=timeout_s) == 0, log.read_text()[-3000:]
-    second = [p.step for p in trainer_progress(stack, run) if p.state == "running" and p.ts > killed_at]
+    after = [p for p in trainer_progress(stack, run) if p.ts > killed_at]
+    second = [p.step for p in after if p.state == "running"]
     assert second[0] == checkpoint + 1, second  # the second process went on from the checkpoint, not from step 1
+    # its first word says so (the heartbeat's first publish), and every later one counts the resume
+    assert after[0].state == "resumed" and after[0].step == checkpoint, after[0]
+    assert {p.resumes for p in after} == {1} and after[-1].state == "done", after[-1]
 
 
 def test_train_kill9_resume_is_exact_and_eval_is_lossless(stack, stack_env, tmp_path: Path) -> None:

@@ -19,7 +19,8 @@ import time
 
 from shared.bus import Bus, ConsumerSpec, Delivery, Poison, Retry, WorkStats, consumer_for
 from shared.config import Config, fingerprint
-from shared.messages import GeneratorProgress, PromptTask, ShardWritten
+from shared.ledger import RunLedger
+from shared.messages import GeneratorProgress, PromptTask
 from shared.records import CompletionRecord
 from shared.service import Consumer, Context, Progress, Service, serve
 from shared.store import Store
@@ -145,14 +146,16 @@ class Generator:
     async def resume_counters(self, subject: str) -> None:
         """A restarted worker goes on counting where its earlier processes stopped, so totals summed
         over workers (dashboard, status, plan) never drop at a restart. Completions, completion
-        tokens and shards come from this worker's durable shard log (exact); prompt tokens, errors
-        and finish reasons from its last progress event (what it had published before it died)."""
-        events = [e async for _, e in self.bus.replay("SHARDS", Subjects.shards(self.run), 1, ShardWritten)]
-        # one event per shard: a shard announced again after the duplicate window (a restart a day later) counts once
-        mine = list({e.key: e for e in events if e.worker == self.worker}.values())
-        self.completions += sum(e.num_records for e in mine)
-        self.completion_tokens += sum(e.completion_tokens for e in mine)
-        self.shards.shards_written += len(mine)
+        tokens and shards come from the run's ledger (its S3 snapshot plus the shard events since:
+        exact, and a restart costs the tail, not the run); prompt tokens, errors and finish reasons
+        from this worker's last progress event (what it had published before it died)."""
+        ledger = RunLedger(self.cfg, self.bus, self.store)
+        mine = (await ledger.refresh()).workers.get(self.worker)
+        await ledger.flush()
+        if mine is not None:
+            self.completions += mine.records
+            self.completion_tokens += mine.completion_tokens
+            self.shards.shards_written += mine.shards
         for _, last in await self.bus.latest_per_subject("PROGRESS", subject):
             if isinstance(last, GeneratorProgress):
                 self.prompt_tokens += last.prompt_tokens

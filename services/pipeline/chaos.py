@@ -31,12 +31,12 @@ import msgspec
 from shared.bus import Bus
 from shared.config import Config, load_config
 from shared.ledger import RunLedger, generation_done, tokenization_done
-from shared.messages import ShardWritten, TokenizedShard
+from shared.messages import ShardWritten, TokenizedShard, TrainerProgress
 from shared.records import dedupe_completions, read_completions, read_sample_generations
 from shared.stack import EmbeddedStack, Ports
 from shared.status import run_overview
 from shared.store import Store
-from shared.topology import Keys, Subjects
+from shared.topology import ANY, Keys, Subjects
 
 from .run import BUNDLED_PROMPTS, RunRequest, service_specs
 from .supervisor import Supervisor
@@ -189,12 +189,6 @@ class Chaos:
                 self.report.restarts = {n: max(0, st.starts - 1) for n, st in sup.services.items()}
             if self.stack.nats_healthy() and self.stack.s3_healthy():
                 await self.verify(cfg, store)
-            trainer_log = (self.root / "logs" / "trainer.log")
-            resumed = trainer_log.read_text().count("resumed from") if trainer_log.exists() else 0
-            self.report.figures["trainer resumes"] = resumed
-            kills = sum(1 for _, k, _ in self.report.faults if k == "kill_trainer")
-            if kills and not resumed:
-                self.report.failures.append("the trainer was killed after a checkpoint but never resumed from one")
         finally:
             self.stack.stop()
         return self.report
@@ -260,6 +254,7 @@ class Chaos:
             st = await run_status(cfg, bus, store)
             shards = [e async for _, e in bus.replay("SHARDS", Subjects.shards(self.run), 1, ShardWritten)]
             tokenized = [e async for _, e in bus.replay("TOKENIZED", Subjects.tokenized(self.run), 1, TokenizedShard)]
+            trainer = await bus.latest_per_subject("PROGRESS", Subjects.progress(self.run, "train", ANY))
         dead_gen, dead_tok = st.dead_lettered.get("generate", 0), st.dead_lettered.get("tokenize", 0)
         f["prompts accepted"] = st.total
         f["completion shards"] = len({e.key for e in shards})
@@ -304,6 +299,11 @@ class Chaos:
         f["trainer final step"] = f"{step} of {self.s.train_steps}"
         if step != self.s.train_steps:
             fail.append(f"trainer ended at checkpoint step {step}, not {self.s.train_steps}")
+        # the count the trainer keeps in its checkpoints and progress: one more at each start from a checkpoint
+        resumes = max((p.resumes for _, p in trainer if isinstance(p, TrainerProgress)), default=0)
+        f["trainer resumes"] = resumes
+        if any(kind == "kill_trainer" for _, kind, _ in self.report.faults) and not resumes:
+            fail.append("the trainer was killed after a checkpoint but never resumed from one")
 
 
 def checkpoint_step(store: Store, run: str) -> int | None:

@@ -61,7 +61,7 @@ class Trainer:
         self.cursor = Cursor()
         self.sched: Any = None
         self.last = TrainerProgress(run=self.run, worker=worker, state="starting")
-        self.resumed_from: int | None = None
+        self.resumes = 0  # times this run's training went on from a checkpoint, this start included
         self.samples_seen = 0
         self.train_s = 0.0  # time spent in training steps, over all processes of this run
         self.feed: ShardFeed | None = None  # rank 0's durable consumer of the TOKENIZED log
@@ -196,10 +196,11 @@ class Trainer:
         self.samples_seen = state.get("samples_seen", 0)
         self.train_s = state.get("train_s", 0.0)
         torch.set_rng_state(state["torch_rng"])
-        if "progress" in state:  # what the run had reached, not a blank "starting" (step 0, loss 0)
-            self.last = msgspec.structs.replace(msgspec.convert(state["progress"], TrainerProgress), worker=self.worker,
-                                                checkpoint_key=prefix, state="resumed", ts=time.time())
-        self.resumed_from = self.step
+        saved = msgspec.convert(state.get("progress", {"run": self.run, "worker": self.worker}), TrainerProgress)
+        self.resumes = saved.resumes + 1
+        # what the run had reached, not a blank "starting" (step 0, loss 0); the heartbeat publishes it at once
+        self.last = msgspec.structs.replace(saved, worker=self.worker, checkpoint_key=prefix, state="resumed",
+                                            resumes=self.resumes, ts=time.time())
         log.info("resumed from %s (step %d of %d)", prefix, self.step, self.schedule.total)
         return True
 
@@ -298,7 +299,7 @@ class Trainer:
                     lr=self.opt.param_groups[0]["lr"], position_accuracy=[round(a, 4) for a in out.acc],
                     estimated_tau=round(estimated_tau(out.acc), 4), tokens_per_s=round(out.tokens_per_s, 1),
                     target_forward_share=round(out.target_share, 4), samples_seen=self.samples_seen,
-                    checkpoint_key=checkpoint_key, state="running",
+                    checkpoint_key=checkpoint_key, state="running", resumes=self.resumes,
                 )
                 if self.step % t.checkpoint_every == 0 or self.step >= self.schedule.total:
                     checkpoint_key = await self.checkpoint()  # holds this step's progress, for a resume's display
