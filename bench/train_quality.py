@@ -14,7 +14,8 @@ reference and the engines do not read), and is evaluated three ways on the same 
 - `dfpipe eval --temperature 0.7 --top-p 0.95 --seeds N`: τ with its spread over seeds, speedup.
 
 Targets: the reference's τ equals ours; τ(DFlash 2) > τ(DFlash); τ ≥ 2.0 (the moonshot).
-Writes bench/results/train_quality.json.
+Writes bench/results/train_quality.json; with a sampled regeneration (DFLASH_SAMPLING__TEMPERATURE=0.7, set
+for both calls) train_quality-t0.7.json, so the greedy-data figures are kept beside it.
 
 `--dir D --run R` keeps the stack in D; with `--no-train` the call stops after tokenization, and a
 later call with the same D and R trains on that data (generation is not repeated). Each architecture's
@@ -220,10 +221,11 @@ def main() -> int:
     with bench_stack(args.dir) as stack:
         run = args.run or f"quality{int(time.time()) % 100000}"
         env = {**os.environ, **stack.env(), "DFLASH_DATA_DIR": str(stack.root), "DFLASH_MODEL__DEVICE": "cpu"}
-        log = ROOT / "bench" / "results" / f"train_quality{'-generate' if args.no_train else ''}.log"
+        base = load_config(CONFIG)  # DFLASH_* overrides apply here as in the pipeline it starts
+        name = "train_quality" + (f"-t{base.sampling.temperature:g}" if base.sampling.temperature else "")
+        log = ROOT / "bench" / "results" / f"{name}{'-generate' if args.no_train else ''}.log"
         prompts = stack.root / "prompts.jsonl"
         prompts.write_text("".join(msgspec.json.encode(o).decode() + "\n" for o in quality_prompts(PROMPTS)))
-        base = load_config(CONFIG)  # DFLASH_* overrides apply here as in the pipeline it starts
         cfg = bench_config(stack, run, trainer=msgspec.to_builtins(base.trainer))
         if args.no_train:
             t0 = time.monotonic()
@@ -239,6 +241,7 @@ def main() -> int:
     greedy = {a: (r["greedy"] or {}).get("tau") for a, r in archs.items()}
     result = {
         "prompts": PROMPTS, "data": data, "regeneration_temperature": base.sampling.temperature,
+        "regeneration_top_p": base.sampling.top_p,
         "config": {"block_size": t.block_size, "drafter_layers": t.num_layers, "drafter_init": t.init,
                    "target_autocast": t.target_autocast, "token_budget": t.token_budget,
                    "anchors_per_sequence": t.anchors_per_sequence, "soft_labels": t.soft_labels,
@@ -258,7 +261,7 @@ def main() -> int:
             "moonshot_tau_2_at_block_8": {a: tau is not None and tau >= 2.0 for a, tau in greedy.items()},
         },
     }
-    path = write_result("train_quality", result)
+    path = write_result(name, result)
     rows = [("", *archs)]
     for label, get in [("τ greedy (dfpipe eval)", lambda r: r["greedy"]["tau"]),
                        ("τ greedy (reference loop)", lambda r: r["reference"]["tau"]),
