@@ -61,14 +61,11 @@ def main() -> int:
     tok, lm = load_tokenizer(base.model.target), load_causal_lm(base.model.target, device="cpu")
     for p in lm.parameters():
         p.requires_grad_(False)
+    seqs = samples(tok, base)  # the same sequences for every shape
+    tokens = sum(s.num_tokens for s in seqs)
     rows, results = [("drafter", "target tok/s", "train tok/s", "ratio")], {}
-    seqs = tokens = None
     for name, (path, arch) in SHAPES.items():
-        cfg = load_config(path, env={})
-        t = msgspec.structs.replace(cfg.trainer, arch=arch)
-        if seqs is None:
-            seqs = samples(tok, cfg)
-            tokens = sum(s.num_tokens for s in seqs)
+        t = msgspec.structs.replace(load_config(path, env={}).trainer, arch=arch)
         ids = list(t.target_layer_ids) or feature_layer_ids(lm.config.num_hidden_layers, t.num_feature_layers)
         target = Target(lm, ids)
         drafter = new_drafter(t, lm.config, num_layers=t.num_layers, block_size=t.block_size, layer_ids=ids,

@@ -199,8 +199,8 @@ class Trainer:
         saved = msgspec.convert(state.get("progress", {"run": self.run, "worker": self.worker}), TrainerProgress)
         self.resumes = saved.resumes + 1
         # what the run had reached, not a blank "starting" (step 0, loss 0); the heartbeat publishes it at once
-        self.last = msgspec.structs.replace(saved, worker=self.worker, checkpoint_key=prefix, state="resumed",
-                                            resumes=self.resumes, ts=time.time())
+        self.last = msgspec.structs.replace(saved, worker=self.worker, step=self.step, total_steps=self.schedule.total,
+                                            checkpoint_key=prefix, state="resumed", resumes=self.resumes, ts=time.time())
         log.info("resumed from %s (step %d of %d)", prefix, self.step, self.schedule.total)
         return True
 
