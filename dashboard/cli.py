@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from shared.exits import Exit
+
 PASSWORD_ENV = "DFLASH_DASHBOARD_PASSWORD"
 APP = Path(__file__).resolve().parent / "app.py"
 
@@ -70,7 +72,7 @@ def _dashboard(args: argparse.Namespace) -> int:
     if not is_local(host) and not os.environ.get(PASSWORD_ENV):
         print(f"dfpipe dashboard: refusing to bind {host} (not loopback) without {PASSWORD_ENV} set "
               "in the environment", file=sys.stderr)
-        return 2
+        return Exit.USAGE
     root = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
     print(f"dashboard on http://{host}:{port} (NATS {cfg.bus.url}, S3 {cfg.store.endpoint})", flush=True)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.config import Config, ConfigError, load_config
+from shared.exits import Exit
 
 COMMAND_GROUP = "dfpipe.commands"  # entry points: name = "package.cli:register"
 SOURCE_PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
@@ -60,7 +61,7 @@ def _stack(args: argparse.Namespace) -> int:
         print("external stack configured (DFLASH_NATS_URL / DFLASH_S3_ENDPOINT): nothing to start or stop")
         print(f"  nats: {os.environ.get('DFLASH_NATS_URL', cfg.bus.url)}")
         print(f"  s3:   {os.environ.get('DFLASH_S3_ENDPOINT', cfg.store.endpoint)}")
-        return 0
+        return Exit.OK
     root = data_dir(cfg)
     if args.action == "up":
         stack = stack_up(cfg)
@@ -69,21 +70,21 @@ def _stack(args: argparse.Namespace) -> int:
         print(f"  s3    http://{stack.s3_endpoint}  bucket {stack.bucket}  pid {stack.pids['s3']}")
         print(f"  credentials: {root / 'credentials'} (0600)" if not os.environ.get("AWS_ACCESS_KEY_ID")
               else "  credentials: from AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY")
-        return 0
+        return Exit.OK
     if args.action == "down":
         stopped = stack_down(cfg)
         print("stopped " + ", ".join(stopped) if stopped else f"no embedded stack recorded in {root}")
-        return 0
+        return Exit.OK
     stack = EmbeddedStack.load(root)
     if stack is None:
         print(f"no embedded stack recorded in {root} (run `dfpipe stack up`)")
-        return 1
+        return Exit.FAILED
     healthy = True
     for name, st in stack.status().items():
         mark = "healthy" if st["healthy"] else ("running, unhealthy" if st["alive"] else "not running")
         healthy &= bool(st["healthy"])
         print(f"  {name:5} port {st['port']:<6} pid {st['pid']:<8} {mark}")
-    return 0 if healthy else 1
+    return Exit.OK if healthy else Exit.FAILED
 
 
 def _register_stack(sub: Any) -> None:
@@ -124,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(func(args) or 0)
     except ConfigError as e:
         print(f"dfpipe: config error: {e}", file=sys.stderr)
-        return 2
+        return Exit.USAGE
     except Exception as e:
         from shared.failures import Failure, classify
 
@@ -133,9 +134,9 @@ def main(argv: list[str] | None = None) -> int:
         # a worker stopped by a fault of its settings (shared.bus.Halt, shared.store.StoreMisconfigured): the
         # reason, not a traceback
         print(f"dfpipe {args.command}: stopped: {e}", file=sys.stderr)
-        return 3
+        return Exit.HALTED
     except KeyboardInterrupt:
-        return 130
+        return Exit.INTERRUPTED
 
 
 if __name__ == "__main__":

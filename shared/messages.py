@@ -113,6 +113,14 @@ class GeneratorProgress(Message, tag="generator_progress"):
     finish_reasons: dict[str, int] = {}
     spec_accept_length: float | None = None
     state: str = "running"  # running | draining | stopped
+    # The engine this generator feeds (sglang/openai backends; empty for in-process ones) and how full it is kept.
+    # None: the engine did not say (no /metrics, no /get_server_info field).
+    engine: str = ""  # its URL
+    engine_running: int | None = None  # requests decoding in the engine now
+    engine_queued: int | None = None  # requests waiting in the engine's queue
+    engine_max_running: int | None = None  # the engine's batch limit (SGLang max_running_requests)
+    engine_tokens_per_s: float | None = None  # the engine's own generation throughput, when it reports one
+    concurrency: int = 0  # requests this generator keeps in flight now (its adaptive level)
 
 
 class TokenizerProgress(Message, tag="tokenizer_progress"):
@@ -147,6 +155,8 @@ class TrainerProgress(Message, tag="trainer_progress"):
     checkpoint_key: str | None = None
     state: str = "running"
     resumes: int = 0  # times this run's training went on from a checkpoint (kept in the checkpoints)
+    steps_per_s: float = 0.0  # optimizer steps per second over the recent steps
+    eta_s: float | None = None  # seconds to total_steps at that rate; None while unknown
 
 
 class EvalReport(Message, tag="eval_report"):

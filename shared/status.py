@@ -18,6 +18,7 @@ import msgspec
 
 from shared.bus import Bus
 from shared.config import Config
+from shared.exits import Exit
 from shared.ledger import RunLedger, StageCounts
 from shared.messages import Alert, GeneratorProgress, Message, TrainerProgress
 from shared.store import Store
@@ -165,12 +166,12 @@ async def _status(args: argparse.Namespace) -> int:
     async with await Bus.connect(cfg.bus, "status", deadline_s=10) as bus:
         if missing := await bus.run_missing(cfg.run):
             print(f"dfpipe status: {missing}", file=sys.stderr)
-            return 2
+            return Exit.USAGE
         ledger = RunLedger(cfg, bus, store)
         st = await run_status(cfg, bus, store, ledger)
         print(msgspec.json.encode(st).decode() if args.json else format_status(st), flush=True)
         await ledger.flush()  # a snapshot this call started (a long tail) is written before the process ends
-    return 1 if any(a.severity == "critical" for a in st.alerts) else 0
+    return Exit.ALERT if any(a.severity == "critical" for a in st.alerts) else Exit.OK
 
 
 def register(sub: Any, replay: Any) -> None:

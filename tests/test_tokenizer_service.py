@@ -27,6 +27,7 @@ from services.tokenizer.samples import SampleBuilder
 from services.tokenizer.service import TokenizerService, run_service, shard_name
 from shared.bus import Bus
 from shared.config import Config
+from shared.exits import Exit
 from shared.messages import Alert, ShardWritten, TokenizedShard, TokenizerProgress
 from shared.records import (
     ChatMessage,
@@ -343,7 +344,7 @@ async def test_the_ok_incident_trips_the_gate_in_the_first_window_and_status_sho
     assert again.tripped is not None and again.counts.shards == 0 and parquet_keys(store, run) == []
 
     r = cli(stack_env, "status", "--run", run, timeout=60)
-    assert r.returncode == 1, r.stdout + r.stderr  # a critical alert
+    assert r.returncode == Exit.ALERT, r.stdout + r.stderr  # a critical alert
     assert "ALERT [critical] tokenize/quality_gate" in r.stdout and "below_min_supervised" in r.stdout, r.stdout
     assert "OK." in r.stdout and alert.message[:60] in r.stdout
 

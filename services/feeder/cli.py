@@ -13,6 +13,8 @@ import asyncio
 import sys
 from typing import Any
 
+from shared.exits import Exit
+
 
 async def _feed(args: argparse.Namespace) -> int:
     from shared.bus import Bus
@@ -36,7 +38,7 @@ async def _feed(args: argparse.Namespace) -> int:
     print(f"  manifest: {store.uri(Keys.manifest(s.run))}")
     for source, why in s.refused.items():
         print(f"dfpipe feed: refused {source}: {why}", file=sys.stderr)
-    return 2 if s.refused else 0  # 2: a source was refused (missing, unreadable, foreign); the others were fed
+    return Exit.USAGE if s.refused else Exit.OK  # a source was refused (missing, unreadable, foreign); the others were fed
 
 
 def register(sub: Any, replay: Any) -> None:

@@ -11,6 +11,8 @@ from typing import Any
 
 import msgspec
 
+from shared.exits import Exit
+
 
 def _generate(args: argparse.Namespace) -> int:
     from shared.cli import load
@@ -33,7 +35,7 @@ def _generate(args: argparse.Namespace) -> int:
     stats = asyncio.run(run_generator(cfg, worker, gpu=args.gpu))
     print(f"generator {worker}: {stats.acked} completed, {stats.retried} retried, {stats.dead_lettered} dead-lettered, "
           f"{stats.requeued_on_shutdown} requeued")
-    return 0
+    return Exit.OK
 
 
 async def _replay(args: argparse.Namespace) -> int:
@@ -48,18 +50,18 @@ async def _replay(args: argparse.Namespace) -> int:
     async with await Bus.connect(cfg.bus, "replay", deadline_s=30) as bus:
         if missing := await bus.run_missing(cfg.run):
             print(f"dfpipe replay generate: {missing}", file=sys.stderr)
-            return 2
+            return Exit.USAGE
         await bus.ensure_streams()
         if args.failed:
             n = await bus.replay_dead_letters(cfg.run, "generate")
             print(f"re-published {n} dead-lettered prompt(s) of run {cfg.run}")
-            return 0
+            return Exit.OK
         store = await asyncio.to_thread(Store.open, cfg)
         try:
             records = read_completions(await asyncio.to_thread(store.get_bytes, args.shard))
         except KeyNotFound:
             print(f"dfpipe replay generate: no shard {args.shard!r} in bucket {store.bucket!r}", file=sys.stderr)
-            return 2
+            return Exit.USAGE
         generation = 1 + max((r.generation for r in records), default=0)
         tasks = [PromptTask(run=cfg.run, prompt_id=r.prompt_id, messages=r.messages, source=args.shard,
                             generation=generation) for r in records]
@@ -69,7 +71,7 @@ async def _replay(args: argparse.Namespace) -> int:
         fresh = sum(not a.duplicate for a in acks)
         print(f"re-published {fresh} prompt(s) of {args.shard} as generation {generation} "
               f"({len(acks) - fresh} already queued); the new completions replace these on read")
-    return 0
+    return Exit.OK
 
 
 def register(sub: Any, replay: Any) -> None:

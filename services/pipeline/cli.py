@@ -8,6 +8,8 @@ import os
 import sys
 from typing import Any
 
+from shared.exits import Exit
+
 
 def _gpus(value: str) -> list[int]:
     try:
@@ -43,7 +45,7 @@ def _run(args: argparse.Namespace) -> int:
             check_source(source, cfg)
         except SourceError as e:
             print(f"dfpipe run: {e}", file=sys.stderr)
-            return 2
+            return Exit.USAGE
     env["DFLASH_RUN"] = cfg.run
     if args.config:
         env["DFLASH_CONFIG"] = os.path.abspath(args.config)
@@ -69,7 +71,7 @@ def _chaos(args: argparse.Namespace) -> int:
     print(report.format())
     if args.json:
         Path(args.json).write_bytes(report_json(report))
-    return 0 if report.ok else 1
+    return Exit.OK if report.ok else Exit.FAILED
 
 
 def register(sub: Any, replay: Any) -> None:

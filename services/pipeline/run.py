@@ -22,6 +22,7 @@ import msgspec
 
 from shared.bus import Bus
 from shared.config import Config, data_dir
+from shared.exits import Exit
 from shared.ledger import RunLedger, generation_done, tokenization_done
 from shared.messages import Alert
 from shared.status import RunOverview, RunStatus, run_overview, run_status
@@ -150,7 +151,7 @@ async def run_pipeline(cfg: Config, request: RunRequest, *, env: dict[str, str],
             print(f"dashboard: http://{cfg.dashboard.host}:{cfg.dashboard.port}/  (logs in {logs})", flush=True)
         generators = [n for n in sup.services if n.startswith("generator-")]
         phase = "generate"
-        outcome = 0
+        outcome = Exit.OK
         ledger = RunLedger(cfg, bus, store)  # each poll folds only the events since the last
         try:
             with Display(cfg, show) as display:
@@ -160,14 +161,14 @@ async def run_pipeline(cfg: Config, request: RunRequest, *, env: dict[str, str],
                     looping = [n for n, s in sup.state().items() if s == "crash_loop"]
                     if looping:
                         print(f"stopping: {', '.join(looping)} crash-looped (logs in {logs})")
-                        outcome = 4
+                        outcome = Exit.CRASH_LOOP
                         break
                     gate = [a for a in p.alerts if a.kind == "quality_gate" and a.severity == "critical"]
                     if gate and not cfg.tokenizer.gate_override:
                         print(f"stopping: quality gate tripped: {gate[-1].message}")
                         for ex in gate[-1].examples[:3]:
                             print(f"  e.g. {ex[:200]!r}")
-                        outcome = 3
+                        outcome = Exit.QUALITY_GATE
                         break
                     if phase == "generate" and generation_done(p.stages):
                         await asyncio.gather(*(sup.stop_service(n) for n in generators))
@@ -193,7 +194,7 @@ async def run_pipeline(cfg: Config, request: RunRequest, *, env: dict[str, str],
             proc = await asyncio.create_subprocess_exec(*cli_argv("eval", "--run", cfg.run), env={**os.environ, **env})
             if await proc.wait() != 0:
                 print("eval failed (see above)")
-                outcome = 5
+                outcome = Exit.EVAL_FAILED
             else:
                 key = Keys.eval_report(cfg.run)
                 if await asyncio.to_thread(store.exists, key):

@@ -7,6 +7,8 @@ import asyncio
 import sys
 from typing import Any
 
+from shared.exits import Exit
+
 
 def _config(args: argparse.Namespace) -> Any:
     import msgspec
@@ -34,10 +36,10 @@ def _tokenize(args: argparse.Namespace) -> int:
         service = asyncio.run(run_service(cfg, worker=args.worker, burst=args.burst))
     except TemplateError as e:
         print(f"dfpipe tokenize: the chat template {_template_name(cfg)}cannot give exact loss masks: {e}")
-        return 2
+        return Exit.USAGE
     if service is None:
         print(f"run {cfg.run}: stopped before the tokenizer started")
-        return 0
+        return Exit.OK
     c = service.counts
     print(f"run {cfg.run} [template {service.fingerprint}]: {c.shards} shards, {c.samples_kept}/{c.samples_in} "
           f"samples kept, {c.tokens} tokens ({c.supervised_tokens} supervised), drift {c.drift}")
@@ -47,8 +49,8 @@ def _tokenize(args: argparse.Namespace) -> int:
         print(f"QUALITY GATE TRIPPED: {service.tripped.message}")
         for ex in service.tripped.examples:
             print(f"  e.g. {ex}")
-        return 3
-    return 0
+        return Exit.QUALITY_GATE
+    return Exit.OK
 
 
 async def _replay_async(cfg: Any, from_seq: int) -> Any:
@@ -63,7 +65,7 @@ async def _replay_async(cfg: Any, from_seq: int) -> Any:
     async with await Bus.connect(cfg.bus, "tokenizer-replay", deadline_s=30) as bus:
         if missing := await bus.run_missing(cfg.run):
             print(f"dfpipe replay tokenize: {missing}", file=sys.stderr)
-            raise SystemExit(2)
+            raise SystemExit(Exit.USAGE)
         await bus.ensure_streams()
         return await replay_tokenize(cfg, bus, store, tok, from_seq=from_seq)
 
@@ -78,7 +80,7 @@ def _replay(args: argparse.Namespace) -> int:
         s = asyncio.run(_replay_async(cfg, args.from_seq))
     except TemplateError as e:
         print(f"dfpipe replay tokenize: the chat template {_template_name(cfg)}cannot give exact loss masks: {e}")
-        return 2
+        return Exit.USAGE
     print(f"run {cfg.run}: replayed {s.shards} shards from seq {args.from_seq} under template {s.fingerprint}: "
           f"{s.written} written, {s.already_present} already present (unchanged), {len(s.failed)} failed")
     print(f"  output: {Keys.tokenized_prefix(cfg.run, s.fingerprint)}")
@@ -86,8 +88,8 @@ def _replay(args: argparse.Namespace) -> int:
         print(f"  failed seq {seq} {key}: {err}")
     if s.gate:
         print(f"QUALITY GATE TRIPPED: {s.gate}")
-        return 3
-    return 1 if s.failed else 0
+        return Exit.QUALITY_GATE
+    return Exit.FAILED if s.failed else Exit.OK
 
 
 async def _run_missing(cfg: Any) -> str:
@@ -112,7 +114,7 @@ def _drops(args: argparse.Namespace) -> int:
     store = Store.open(cfg, ensure_bucket=False)
     if missing := asyncio.run(_run_missing(cfg)):
         print(f"dfpipe drops: {missing}", file=sys.stderr)
-        return 2
+        return Exit.USAGE
     prefix = Keys.tokenized_prefix(cfg.run, args.fingerprint)
     keys = [k for k in store.list(prefix) if "/drops/" in k and k.endswith(".jsonl")]
     counts: Counter[tuple[str, str]] = Counter()
@@ -131,7 +133,7 @@ def _drops(args: argparse.Namespace) -> int:
         print(f"run {cfg.run}: no dropped records" + (f" with reason {args.reason}" if args.reason else ""))
     for (fingerprint, reason), n in sorted(counts.items()):
         print(f"  {fingerprint}  {reason}: {n}")
-    return 0
+    return Exit.OK
 
 
 def register(sub: Any, replay: Any) -> None:

@@ -9,6 +9,8 @@ import os
 import sys
 from typing import Any
 
+from shared.exits import Exit
+
 
 def _train(args: argparse.Namespace) -> int:
     from shared.cli import load
@@ -19,7 +21,7 @@ def _train(args: argparse.Namespace) -> int:
     p = asyncio.run(run_trainer(cfg))
     print(f"trainer {cfg.run}: step {p.step}, loss {p.loss:.4f}, estimated τ {p.estimated_tau:.2f}, "
           f"state {p.state}, checkpoint {p.checkpoint_key}")
-    return 0 if p.state == "done" else 3  # "stopped": resumable, not finished
+    return Exit.OK if p.state == "done" else Exit.STOPPED  # "stopped": resumable, not finished
 
 
 def same_evaluation(report: Any, ckpt: str, prompts: int, max_new: int, sampling: Any, seeds: int) -> bool:
@@ -48,7 +50,7 @@ async def _eval_async(cfg: Any, limit: int | None, sampling: Any = None, seeds: 
     async with await Bus.connect(cfg.bus, "eval", deadline_s=30) as bus:
         if missing := await bus.run_missing(cfg.run):
             print(f"dfpipe eval: {missing}", file=sys.stderr)
-            raise SystemExit(2)
+            raise SystemExit(Exit.USAGE)
         prompts = await held_out_prompts(cfg, store, bus, limit)
         if not prompts:
             raise SystemExit(f"dfpipe eval: run {cfg.run} has no held-out samples (trainer.holdout_mod)")
@@ -119,7 +121,7 @@ def _eval(args: argparse.Namespace) -> int:
               f"cycles on {r['prompts']} held-out prompts; speedup {r['speedup']:.2f}x vs plain sampling "
               f"(tokens/s); lossless by the rejection rule (sampled outputs are not compared token by token)")
     print(f"  acceptance histogram (tokens per cycle): {r['acceptance_histogram']}")
-    return 0 if r["lossless"] is not False else 1
+    return Exit.OK if r["lossless"] is not False else Exit.FAILED
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -144,13 +146,13 @@ def _plan(args: argparse.Namespace) -> int:
         rate, n = asyncio.run(live())
         if not n:
             print(f"no running generator in run {args.live_run}")
-            return 1
+            return Exit.FAILED
         print(f"live: {n} generator(s) of run {args.live_run}, {rate:.1f} tok/s each on average")
     p = RunCost(samples=args.samples, avg_tokens=args.avg_tokens, avg_completion_tokens=args.avg_completion_tokens
              or args.avg_tokens, target_layers=args.layers, hidden=args.hidden, feature_layers=args.feature_layers,
              gpus=args.gpus, tokens_per_s_per_gpu=rate, target_params_b=args.params_b, epochs=args.epochs)
     print(json.dumps(p.report(), indent=2) if args.json else format_cost(p))
-    return 0
+    return Exit.OK
 
 
 def register(sub: Any, replay: Any) -> None:
