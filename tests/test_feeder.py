@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import msgspec
@@ -15,7 +16,7 @@ from services.feeder.normalize import RejectedRecord, normalize, prompt_id
 from services.feeder.sources import SourceError, read_records
 from shared.messages import PromptTask
 from shared.topology import Keys, Subjects
-from tests.conftest import make_config
+from tests.conftest import make_config, new_run
 
 GOOD = [
     {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a prime."}]},
@@ -142,7 +143,7 @@ async def test_invalid_utf8_bom_crlf_and_blank_lines_never_stop_a_feed(stack, bu
     assert {t.messages[0].content for t in await tasks_on_bus(bus, cfg.run)} == {
         "first, after a BOM", "second", "no newline at the end"}
     (reject,) = rejects_of(store, cfg.run)
-    assert reject["line"] == 2 and reject["reason"] == "invalid UTF-8 at byte 15"
+    assert reject["line"] == 2 and reject["reason"] == "invalid UTF-8 at byte 15" and reject["code"] == "invalid_utf8"
     assert reject["raw"] == '{"prompt": "caf\\xe9 latin-1 bytes"}'  # the bytes, escaped
     manifest = json.loads(store.get_bytes(Keys.manifest(cfg.run)))
     entry = manifest["sources"][str(src)]
@@ -225,3 +226,39 @@ async def test_a_foreign_file_is_refused_once_with_the_keys_found(stack, bus, st
     manifest = json.loads(store.get_bytes(Keys.manifest(cfg.run)))
     assert set(manifest["refused"]) == {str(foreign), str(columns), str(obj)}
     assert manifest["sources"][str(good)]["accepted"] == 5
+
+
+def test_feed_cli_the_bad_input_of_issue_32_is_rejects_by_code_and_a_utf16_file_said_once(stack, stack_env, store,
+                                                                                        tmp_path):
+    """`dfpipe feed` on the 100,000-deep line (it crashed with RecursionError, exit 1) in JSONL and in a JSON array,
+    invalid UTF-8 at two offsets (counted under one code, not "invalid UTF- at byte"), and a UTF-16 file."""
+    import subprocess
+    import sys
+
+    from shared.exits import Exit
+
+    deep = b"[" * 100_000 + b"]" * 100_000
+    lines = tmp_path / "deep.jsonl"
+    lines.write_bytes(b'{"prompt": "one"}\n' + deep + b'\n{"prompt": "caf\xe9"}\n{"prompt": "na\xefve caf\xe9"}\n'
+                      + b'{"prompt": "two", "meta": ' + b"[" * 300 + b"]" * 300 + b"}\n")
+    array = tmp_path / "deep.json"
+    array.write_bytes(b'[{"prompt": "three"},\n' + deep + b',\n{"prompt": "four"}]')
+    utf16 = tmp_path / "windows.jsonl"
+    utf16.write_bytes('{"prompt": "five"}\n{"prompt": "six"}\n'.encode("utf-16"))
+    run = new_run()
+    r = subprocess.run([sys.executable, "-m", "shared.cli", "--log-level", "WARNING", "feed", str(lines), str(array),
+                        str(utf16), "--run", run], env=stack_env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == Exit.USAGE, r.stdout + r.stderr  # the UTF-16 file refused; the others fed
+    assert "Traceback" not in r.stderr and "accepted 3" in r.stdout and "rejected 5" in r.stdout, r.stdout
+    assert f"refused {utf16}: {utf16}: file is UTF-16 (byte-order mark FF FE); must be UTF-8" in r.stderr
+    assert re.search(r"reject\s+3\s+too_deep", r.stdout) and re.search(r"reject\s+2\s+invalid_utf8", r.stdout)
+    rejects = rejects_of(store, run)
+    assert {(x["source"], x["line"], x["code"]) for x in rejects} == {
+        (str(lines), 2, "too_deep"), (str(lines), 3, "invalid_utf8"), (str(lines), 4, "invalid_utf8"),
+        (str(lines), 5, "too_deep"), (str(array), 2, "too_deep")}  # none of the UTF-16 file's lines
+    assert {x["reason"] for x in rejects if x["code"] == "invalid_utf8"} == {"invalid UTF-8 at byte 15",
+                                                                            "invalid UTF-8 at byte 14"}
+    manifest = json.loads(store.get_bytes(Keys.manifest(run)))
+    assert manifest["sources"][str(lines)]["reject_reasons"] == {"too_deep": 2, "invalid_utf8": 2}
+    assert manifest["sources"][str(lines)]["reject_examples"]["invalid_utf8"] == f"{lines}:3: invalid UTF-8 at byte 15"
+    assert "file is UTF-16" in manifest["refused"][str(utf16)]

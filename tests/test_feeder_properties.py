@@ -3,7 +3,9 @@
 The reader and `normalize` are checked against a strict reference parser written here with
 Python's own `json` (RFC 8259: UTF-8, no NaN/Infinity, finite numbers, no lone surrogates), over
 random byte lines, random JSON values and random mixes of the four record shapes with random
-damage, in JSONL, JSON arrays and Parquet. These run on local files only (well under a minute);
+damage, in JSONL, JSON arrays and Parquet, and over JSON at the decoders' limits (nesting depth
+around MAX_NESTING and 100,000 deep, brackets inside strings, integers around 4300 characters,
+floats at the edge of double range) and Parquet values Python cannot hold. These run on local files only (well under a minute);
 one test feeds random files through the real bus and S3 and checks that nothing is published twice.
 """
 
@@ -22,7 +24,8 @@ from hypothesis import strategies as st
 
 from services.feeder.feed import Feeder
 from services.feeder.normalize import RejectedRecord, normalize, prompt_id
-from services.feeder.sources import SourceError, read_records
+from services.feeder.reasons import Reason
+from services.feeder.sources import MAX_NESTING, SourceError, read_records
 from shared.bus import Bus
 from shared.messages import PromptTask
 from shared.store import Store
@@ -50,6 +53,37 @@ def _finite(text: str) -> float:
     return value
 
 
+MAX_INT_CHARS = 4300  # the feeder's integer limit: its text, sign included (Python's int() allows 4300 digits)
+
+
+def _int(text: str) -> int:
+    if len(text) > MAX_INT_CHARS:
+        raise Invalid("integer out of range")
+    return int(text)
+
+
+def _depth(text: str) -> int:
+    """How deep arrays/objects nest in a JSON text, strings skipped: a char-by-char reading of RFC 8259."""
+    depth = deepest = 0
+    in_string = escape = False
+    for c in text:
+        if in_string:
+            if escape:
+                escape = False
+            elif c == "\\":
+                escape = True
+            elif c == '"':
+                in_string = False
+        elif c == '"':
+            in_string = True
+        elif c in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c in "]}":
+            depth -= 1
+    return deepest
+
+
 def _check_text(value) -> None:
     if isinstance(value, str):
         value.encode("utf-8")  # a lone surrogate escape raises
@@ -63,9 +97,13 @@ def _check_text(value) -> None:
 
 
 def reference_value(data: bytes):
-    """The record's value, or Invalid. Strict: what RFC 8259 calls JSON text, in UTF-8."""
+    """The record's value, or Invalid. Strict: what RFC 8259 calls JSON text, in UTF-8, with the feeder's stated
+    limits (nesting at most MAX_NESTING, integers of at most 4300 characters, floats within double range)."""
     try:
-        value = json.loads(data.decode("utf-8"), parse_constant=_no_constant, parse_float=_finite)
+        text = data.decode("utf-8")
+        if _depth(text) > MAX_NESTING:
+            raise Invalid("nested too deep")
+        value = json.loads(text, parse_constant=_no_constant, parse_float=_finite, parse_int=_int)
         _check_text(value)
         return value
     except (UnicodeError, ValueError, RecursionError) as e:
@@ -89,6 +127,7 @@ def outcomes(path: Path) -> dict[int, str | bool | None]:
             out[raw.line] = False
         elif raw.error:
             assert raw.size >= 0 and len(raw.raw) <= 200
+            assert raw.code in set(Reason), raw  # every reject is counted under a reason code
             out[raw.line] = None
         else:
             out[raw.line] = reference_outcome(raw.value)
@@ -115,6 +154,39 @@ json_values = st.recursive(
 records = st.one_of(shaped, shaped, json_values)
 
 
+def _nest(depth: int, inner: bytes, kind: str) -> bytes:
+    """`inner` inside `depth` arrays, objects or both alternating (bytes: json.dumps itself recurses)."""
+    if kind == "[":
+        return b"[" * depth + inner + b"]" * depth
+    if kind == "{":
+        return b'{"k":' * depth + inner + b"}" * depth
+    pairs, odd = divmod(depth, 2)
+    return b'[{"k":' * pairs + b"[" * odd + inner + b"]" * odd + b"}]" * pairs
+
+
+@st.composite
+def at_limits(draw) -> bytes:
+    """JSON text at the decoders' limits, valid or not: nesting around MAX_NESTING and the 100,000-deep line of
+    issue 32 (whole record, or one field of a good prompt), brackets and escapes inside strings (the depth scan
+    must skip them), integers around 4300 characters, floats at the edge of double range."""
+    prompt = json.dumps(draw(text)).encode()
+    kind = draw(st.sampled_from(["deep", "deep_field", "bracket_text", "int", "float"]))
+    if kind in ("deep", "deep_field"):
+        depth = draw(st.sampled_from([MAX_NESTING - 1, MAX_NESTING, MAX_NESTING + 1, 100_000]) | st.integers(0, 1200))
+        deep = _nest(depth, draw(st.sampled_from([b"1", b"[]", b"{}", b'"x"', prompt])), draw(st.sampled_from("[{m")))
+        return deep if kind == "deep" else b'{"prompt": ' + prompt + b', "meta": ' + deep + b"}"
+    if kind == "bracket_text":
+        content = draw(st.text(alphabet='[]{}"\\ab', max_size=700))
+        return json.dumps({"prompt": "[{" * draw(st.integers(0, 700)) + content}).encode()
+    if kind == "int":
+        digits = draw(st.sampled_from([4299, 4300, 4301]) | st.integers(1, 5000))
+        number = draw(st.sampled_from([b"", b"-"])) + b"9" * digits
+        return number if draw(st.booleans()) else b'{"prompt": ' + prompt + b', "n": ' + number + b"}"
+    number = draw(st.sampled_from([b"1e308", b"1.7976931348623157e308", b"1.7976931348623159e308", b"1e309",
+                                   b"-1e400", b"1e-400", b"0." + b"1" * 5000, b"1" + b"0" * 400 + b".5"]))
+    return b'{"prompt": ' + prompt + b', "x": ' + number + b"}"
+
+
 @st.composite
 def damaged(draw, alphabet: bytes | None = None) -> bytes:
     """A record's JSON with random damage: cut short, bytes flipped, inserted or deleted.
@@ -137,7 +209,7 @@ def damaged(draw, alphabet: bytes | None = None) -> bytes:
     return bytes(data)
 
 
-line_bytes = st.one_of(damaged(), st.binary(max_size=40), st.just(b""), st.just(b"  \t"))
+line_bytes = st.one_of(damaged(), st.binary(max_size=40), st.just(b""), st.just(b"  \t"), at_limits())
 
 
 def lines_only(data: bytes) -> bytes:
@@ -179,8 +251,8 @@ STRUCTURE_SAFE = bytes(b for b in range(256) if b not in b'[]{},"\\\n')
 
 
 @FAST
-@given(elements=st.lists(st.one_of(records.map(lambda r: json.dumps(r).encode()), damaged(STRUCTURE_SAFE)),
-                         max_size=10),
+@given(elements=st.lists(st.one_of(records.map(lambda r: json.dumps(r).encode()), damaged(STRUCTURE_SAFE),
+                                   at_limits()), max_size=10),
        pretty=st.booleans(), bom=st.booleans())
 def test_json_array_with_damaged_elements_matches_the_reference_element_by_element(
         tmp_path_factory, elements, pretty, bom) -> None:
@@ -218,6 +290,7 @@ PARQUET_SCHEMA = pa.schema([
     ("instruction", pa.string()),
     ("input", pa.string()),
     ("system", pa.string()),
+    ("when", pa.timestamp("us")),  # past year 9999 Python's datetime cannot hold it: that row is one reject
 ])
 parquet_rows = st.fixed_dictionaries({}, optional={
     "messages": st.none() | st.lists(st.fixed_dictionaries({"role": roles | st.none(), "content": text | st.none()}),
@@ -226,6 +299,7 @@ parquet_rows = st.fixed_dictionaries({}, optional={
     "instruction": text | st.none(),
     "input": text | st.none(),
     "system": text | st.none(),
+    "when": st.none() | st.integers(-(2**63) + 1, 2**63 - 1) | st.integers(0, 2**40),
 })
 
 
@@ -234,11 +308,41 @@ parquet_rows = st.fixed_dictionaries({}, optional={
 def test_parquet_rows_match_the_reference(tmp_path_factory, rows) -> None:
     path = tmp_path_factory.mktemp("pq") / "p.parquet"
     pq.write_table(pa.Table.from_pylist(rows, schema=PARQUET_SCHEMA), path)
-    reference = pq.read_table(path).to_pylist()  # the strict reference: pyarrow's own rows
+    table = pq.read_table(path)  # the strict reference: pyarrow's own values, a row with one Python cannot hold rejected
     got = outcomes(path)
     assert sorted(got) == list(range(1, len(rows) + 1))
-    for n, row in enumerate(reference, 1):
+    for n in range(1, len(rows) + 1):
+        try:
+            row = {name: table.column(name)[n - 1].as_py() for name in table.column_names}
+        except (OverflowError, ValueError):
+            assert got[n] is None, n
+            continue
         assert got[n] == reference_outcome(row), (n, row)
+
+
+def test_a_parquet_schema_nested_past_pyarrows_limit_is_refused_once(tmp_path) -> None:
+    deep_type, deep_value = pa.string(), "x"
+    for _ in range(60):
+        deep_type, deep_value = pa.list_(deep_type), [deep_value]
+    schema = pa.schema([("prompt", pa.string()), ("meta", deep_type)])
+    pq.write_table(pa.Table.from_pylist([{"prompt": "hi", "meta": deep_value}], schema=schema), tmp_path / "d.parquet")
+    with pytest.raises(SourceError, match=r"not a readable Parquet file: .*too deeply nested"):
+        list(read_records(tmp_path / "d.parquet"))
+
+
+# --- encodings other than UTF-8: the file is refused once, never a reject per line --------------------
+
+
+@FAST
+@given(recs=st.lists(shaped, min_size=1, max_size=5), encoding=st.sampled_from(["utf-16", "utf-16-le", "utf-16-be",
+                                                                                 "utf-32"]),
+       fmt=st.sampled_from(["p.jsonl", "p.json", "prompts"]))
+def test_a_utf16_or_utf32_file_is_refused_once_naming_its_encoding(tmp_path_factory, recs, encoding, fmt) -> None:
+    body = json.dumps(recs) if fmt == "p.json" else "".join(json.dumps(r) + "\n" for r in recs)
+    path = tmp_path_factory.mktemp("enc") / fmt
+    path.write_bytes(body.encode(encoding))
+    with pytest.raises(SourceError, match=f"file is {encoding[:6].upper()} .*must be UTF-8"):
+        list(read_records(path))
 
 
 # --- the real stack: accounted once, published once -----------------------------------------------

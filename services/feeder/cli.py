@@ -31,8 +31,8 @@ async def _feed(args: argparse.Namespace) -> int:
         s = await Feeder(cfg, bus, store, worker=args.worker).feed(args.prompts)
     print(f"run {s.run}: read {s.read}, accepted {s.accepted} ({s.published} new, {s.already_fed} fed before), "
           f"duplicates {s.duplicates}, rejected {s.rejected}, blank {s.blank} in {s.seconds:.1f}s")
-    for reason, n in s.reject_reasons.items():
-        print(f"  reject  {n:>7}  {reason}")
+    for code, n in s.reject_reasons.items():
+        print(f"  reject  {n:>7}  {code:<20} first: {s.reject_examples.get(code, '')[:200]}")
     if s.rejected:
         print(f"  rejects: {store.uri(Keys.rejects(s.run))}")
     print(f"  manifest: {store.uri(Keys.manifest(s.run))}")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import re
 import tempfile
 import time
 from collections import Counter
@@ -30,6 +29,7 @@ from shared.store import Store
 from shared.topology import ANY, Keys, Subjects
 
 from .normalize import RejectedRecord, UnknownShape, normalize, prompt_id
+from .reasons import Reason
 from .sources import SHAPES, Raw, SourceError, escaped, local_copy, read_records
 
 log = logging.getLogger("dflash.feeder")
@@ -41,15 +41,6 @@ RECORD_ECHO_BYTES = 4096  # a parsed reject up to this size is echoed whole in r
 
 class ForeignSource(SourceError):
     """Every record read so far has none of the four record shapes: the wrong file, refused once."""
-
-
-def reason_kind(reason: str) -> str:
-    """A reject reason without its specifics, for counting: "messages[2]: unknown role 'bot'" → "unknown role"."""
-    if reason.startswith("invalid JSON"):
-        return "invalid JSON"
-    text = re.sub(r"^[\w\[\]\d.]+: ", "", reason)
-    text = re.sub(r"\(.*?\)|'[^']*'|~?\d+", "", text)
-    return re.sub(r"\s+", " ", text).strip(" :>")[:60]
 
 
 class FeedSummary(msgspec.Struct, kw_only=True):
@@ -64,7 +55,8 @@ class FeedSummary(msgspec.Struct, kw_only=True):
     rejected: int = 0
     published: int = 0  # new on the bus
     already_fed: int = 0  # accepted but queued by an earlier feed of this run
-    reject_reasons: dict[str, int] = {}
+    reject_reasons: dict[str, int] = {}  # Reason code -> rejects
+    reject_examples: dict[str, str] = {}  # Reason code -> its first reject: "source:line: detailed reason"
     refused: dict[str, str] = {}  # source -> why it was not read (or not read to the end)
     seconds: float = 0.0
 
@@ -132,8 +124,8 @@ class _SourceBatch:
         f = self.feeder
         limit = f.cfg.feeder.max_prompt_tokens
         if f.counter and (low := f.counter.lower_bound(msgs)) > limit:
-            f._reject(self.rejects, self.source, raw, f"prompt too long: at least {low} tokens by its length in bytes "
-                      f"> max_prompt_tokens {limit}")
+            f._reject(self.rejects, self.source, raw, Reason.PROMPT_TOO_LONG,
+                      f"prompt too long: at least {low} tokens by its length in bytes > max_prompt_tokens {limit}")
             return
         self.pending.append((raw, msgs, pid))
         self.pending_bytes += sum(len(m.content) for m in msgs)
@@ -148,7 +140,8 @@ class _SourceBatch:
         tasks = []
         for (raw, msgs, pid), n in zip(self.pending, lens, strict=True):
             if f.counter and n > limit:
-                f._reject(self.rejects, self.source, raw, f"prompt too long: ~{n} tokens > max_prompt_tokens {limit}")
+                f._reject(self.rejects, self.source, raw, Reason.PROMPT_TOO_LONG,
+                          f"prompt too long: ~{n} tokens > max_prompt_tokens {limit}")
                 continue
             tasks.append(PromptTask(run=f.run, prompt_id=pid, messages=msgs, source=self.source, line=raw.line))
         f.summary.accepted += len(tasks)
@@ -167,7 +160,9 @@ class Feeder:
         self.run = cfg.run
         self.counter = TokenCounter(cfg) if cfg.feeder.max_prompt_tokens > 0 else None
         self.summary = FeedSummary(run=self.run, sources=[])
-        self.reasons: Counter[str] = Counter()
+        self.reasons: Counter[str] = Counter()  # Reason code -> rejects
+        self.examples: dict[str, str] = {}  # Reason code -> its first reject, "source:line: reason"
+        self.source_examples: dict[str, str] = {}  # the same for the source being read
         self._seen: set[bytes] = set()
         self._resume = False
         self.per_source: dict[str, dict] = {}
@@ -214,19 +209,27 @@ class Feeder:
         for t in batch:
             await self.bus.nc.publish(Subjects.registry(self.run, t.prompt_id), b"")
 
-    def _reject(self, out: list[str], source: str, raw: Raw, reason: str) -> None:
-        """One line of rejects.jsonl: where, why, and what was there (the record, or its first bytes escaped)."""
+    def _reject(self, out: list[str], source: str, raw: Raw, code: str, reason: str) -> None:
+        """One line of rejects.jsonl: where, why (its code and the detail), and what was there (the record,
+        or its first bytes escaped)."""
         self.summary.rejected += 1
-        self.reasons[reason_kind(reason)] += 1
-        entry: dict = {"source": source, "line": raw.line, "reason": reason, "record": None}
+        self.reasons[code] += 1
+        self.examples.setdefault(code, f"{source}:{raw.line}: {reason}")
+        self.source_examples.setdefault(code, f"{source}:{raw.line}: {reason}")
+        entry: dict = {"source": source, "line": raw.line, "code": str(code), "reason": reason, "record": None}
         if raw.error:
             entry["raw"] = escaped(raw.raw, raw.size)
         else:
-            encoded = msgspec.json.encode(raw.value)
-            if len(encoded) <= RECORD_ECHO_BYTES:
-                entry["record"] = raw.value
-            else:
+            try:
+                encoded = msgspec.json.encode(raw.value)
+            except (TypeError, ValueError, OverflowError, RecursionError):  # a Parquet value JSON has no form for
+                encoded = repr(raw.value).encode()
                 entry["raw"] = escaped(encoded, len(encoded))
+            else:
+                if len(encoded) <= RECORD_ECHO_BYTES:
+                    entry["record"] = raw.value
+                else:
+                    entry["raw"] = escaped(encoded, len(encoded))
         out.append(jsonl_line(entry))
 
     async def feed_source(self, source: str, rejects_file: TextIO) -> None:
@@ -259,14 +262,14 @@ class Feeder:
                 continue
             if raw.error:
                 foreign_keys.add("")
-                self._reject(batch.rejects, batch.source, raw, raw.error)
+                self._reject(batch.rejects, batch.source, raw, raw.code or Reason.INVALID_JSON, raw.error)
                 continue
             try:
                 msgs = normalize(raw.value)
             except RejectedRecord as e:
                 if read <= FOREIGN_SAMPLE:
                     foreign_keys.update((e.keys or [""]) if isinstance(e, UnknownShape) else [""])
-                self._reject(batch.rejects, batch.source, raw, str(e))
+                self._reject(batch.rejects, batch.source, raw, e.code, str(e))
                 continue
             foreign_keys.add("")
             pid = prompt_id(msgs)
@@ -299,7 +302,8 @@ class Feeder:
                     for source in sources:
                         self.summary.sources.append(source)
                         before = msgspec.structs.asdict(self.summary)
-                        reasons_before = Counter(self.reasons)
+                        reasons_before, examples_before = Counter(self.reasons), dict(self.examples)
+                        self.source_examples = {}
                         refused = ""
                         try:
                             await self.feed_source(source, rejects)
@@ -307,12 +311,13 @@ class Feeder:
                             refused = str(e)
                             for k in COUNTS:
                                 setattr(self.summary, k, before[k])
-                            self.reasons = reasons_before
+                            self.reasons, self.examples = reasons_before, examples_before
                         except SourceError as e:  # unreadable (from some record on): what was read counts
                             refused = str(e)
                         after = msgspec.structs.asdict(self.summary)
                         entry: dict = {k: after[k] - before[k] for k in COUNTS}
                         entry["reject_reasons"] = dict((self.reasons - reasons_before).most_common())
+                        entry["reject_examples"] = {c: self.source_examples[c] for c in entry["reject_reasons"]}
                         entry["ts"] = time.time()
                         if refused:
                             entry["refused"] = refused
@@ -321,6 +326,7 @@ class Feeder:
                         self.per_source[source] = entry
             await self.bus.nc.flush()  # the registry entries are on the server before the manifest says done
             self.summary.reject_reasons = dict(self.reasons.most_common())
+            self.summary.reject_examples = {code: self.examples[code] for code in self.summary.reject_reasons}
             self.summary.seconds = round(time.monotonic() - started, 3)
             await asyncio.to_thread(self._write_rejects, Path(tmp), sources)
             await asyncio.to_thread(self._write_manifest)

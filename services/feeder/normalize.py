@@ -28,6 +28,8 @@ import msgspec
 
 from shared.messages import ChatMessage
 
+from .reasons import Reason
+
 ROLE_ALIASES = {
     "system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
     "chatgpt": "assistant", "bard": "assistant", "bing": "assistant", "model": "assistant", "tool": "tool",
@@ -38,7 +40,11 @@ _canonical = msgspec.json.Encoder()
 
 
 class RejectedRecord(ValueError):
-    """A record the feeder cannot use; the message is the reason written to rejects.jsonl."""
+    """A record the feeder cannot use; the message is the reason written to rejects.jsonl, `code` what it is counted as."""
+
+    def __init__(self, code: Reason, message: str) -> None:
+        self.code = code
+        super().__init__(message)
 
 
 class UnknownShape(RejectedRecord):
@@ -47,7 +53,7 @@ class UnknownShape(RejectedRecord):
     def __init__(self, keys: list[str]) -> None:
         self.keys = keys
         shown = ", ".join(keys[:8]) or "none"
-        super().__init__(f"no messages, conversations, prompt or instruction field (keys: {shown})")
+        super().__init__(Reason.UNKNOWN_SHAPE, f"no messages, conversations, prompt or instruction field (keys: {shown})")
 
 
 def _text(value: Any, where: str) -> str:
@@ -58,34 +64,34 @@ def _text(value: Any, where: str) -> str:
         for part in value:
             if not isinstance(part, dict) or part.get("type", "text") != "text" or not isinstance(part.get("text"), str):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise RejectedRecord(f"{where}: unsupported content part {kind!r} (only text parts)")
+                raise RejectedRecord(Reason.CONTENT_NOT_TEXT, f"{where}: unsupported content part {kind!r} (only text parts)")
             parts.append(part["text"])
         text = "".join(parts)
     elif value is None:
-        raise RejectedRecord(f"{where}: missing content")
+        raise RejectedRecord(Reason.MISSING_CONTENT, f"{where}: missing content")
     else:
-        raise RejectedRecord(f"{where}: content must be a string, not {type(value).__name__}")
+        raise RejectedRecord(Reason.CONTENT_NOT_TEXT, f"{where}: content must be a string, not {type(value).__name__}")
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:  # a JSON escape of half a surrogate pair: no Unicode text, no prompt
-        raise RejectedRecord(f"{where}: content is not valid Unicode (a lone surrogate escape)") from None
+        raise RejectedRecord(Reason.INVALID_UNICODE, f"{where}: content is not valid Unicode (a lone surrogate escape)") from None
     text = unicodedata.normalize("NFC", text.replace("\r\n", "\n")).strip()
     if not text:
-        raise RejectedRecord(f"{where}: empty content")
+        raise RejectedRecord(Reason.EMPTY_CONTENT, f"{where}: empty content")
     return text
 
 
 def _turns(items: Any, role_key: str, content_key: str, field: str) -> list[ChatMessage]:
     if not isinstance(items, list) or not items:
-        raise RejectedRecord(f"{field!r} must be a non-empty list")
+        raise RejectedRecord(Reason.BAD_TURNS, f"{field!r} must be a non-empty list")
     out = []
     for i, item in enumerate(items):
         if not isinstance(item, dict):
-            raise RejectedRecord(f"{field}[{i}] must be an object")
+            raise RejectedRecord(Reason.BAD_TURNS, f"{field}[{i}] must be an object")
         raw_role = item.get(role_key)
         role = ROLE_ALIASES.get(str(raw_role).lower()) if isinstance(raw_role, str) else None
         if role is None:
-            raise RejectedRecord(f"{field}[{i}]: unknown role {raw_role!r}")
+            raise RejectedRecord(Reason.UNKNOWN_ROLE, f"{field}[{i}]: unknown role {raw_role!r}")
         content = item.get(content_key)
         if role == "assistant" and i == len(items) - 1:
             # the turn to regenerate: its content is not needed and may be empty
@@ -106,7 +112,7 @@ def _with_system(record: dict[str, Any], user: str) -> list[ChatMessage]:
 def normalize(record: Any) -> list[ChatMessage]:
     """The conversation to complete (ending with a user/tool turn), or RejectedRecord saying why."""
     if not isinstance(record, dict):
-        raise RejectedRecord(f"record must be a JSON object, not {type(record).__name__}")
+        raise RejectedRecord(Reason.NOT_OBJECT, f"record must be a JSON object, not {type(record).__name__}")
     if "messages" in record:
         msgs = _turns(record["messages"], "role", "content", "messages")
     elif "conversations" in record:
@@ -123,11 +129,11 @@ def normalize(record: Any) -> list[ChatMessage]:
     if msgs and msgs[-1].role == "assistant":
         msgs.pop()  # regenerated: see the multi-turn policy above
     if not msgs:
-        raise RejectedRecord("nothing before the assistant turn")
+        raise RejectedRecord(Reason.NO_USER_TURN, "nothing before the assistant turn")
     if msgs[-1].role not in ("user", "tool"):
-        raise RejectedRecord(f"conversation must end with a user turn, not {msgs[-1].role}")
+        raise RejectedRecord(Reason.BAD_LAST_TURN, f"conversation must end with a user turn, not {msgs[-1].role}")
     if all(m.role == "system" for m in msgs):
-        raise RejectedRecord("no user turn")
+        raise RejectedRecord(Reason.NO_USER_TURN, "no user turn")
     return msgs
 
 

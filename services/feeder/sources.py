@@ -9,7 +9,14 @@ No record stops a source: any bytes on a line (or in an array element) become a 
 value, or with an error and a bounded prefix of the raw bytes. Text files are memory-mapped, so
 the reader holds at most one record of `max_record_bytes` at a time; a longer record is counted
 and rejected without being copied or parsed. A UTF-8 byte-order mark and CRLF line ends are
-accepted in every format. Only a source that is unusable as a whole raises `SourceError`.
+accepted in every format. Only a source that is unusable as a whole raises `SourceError` (a UTF-16 or
+UTF-32 text file is one: said once, not per line).
+
+Decoder limits are rejects, never a crash: a record nested deeper than MAX_NESTING arrays/objects
+(found by a scan that runs only when the record holds more brackets than that), a number out of
+range, and, in Parquet, a value Python cannot hold (the row is converted column by column to name it).
+Parquet's own schema depth limit (pyarrow refuses a schema nested ~50 lists deep) refuses the file once:
+every row has that column.
 """
 
 from __future__ import annotations
@@ -27,11 +34,17 @@ import msgspec
 
 from shared.config import Config
 
+from .reasons import Reason
+
 BOM = b"\xef\xbb\xbf"
 JSON_WS = b" \t\r\n"  # RFC 8259's whitespace (bytes.strip() would also take \x0b and \x0c)
 RAW_PREFIX = 200  # bytes of a rejected record kept in rejects.jsonl (escaped)
 RESYNC_TRIES = 1000  # candidate element starts tried after a broken JSON array element
 SHAPES = "messages (OpenAI), conversations (ShareGPT), prompt (plain) or instruction (Alpaca)"
+# Arrays/objects inside each other in one record. The decoders recurse on the interpreter's stack (msgspec
+# and Python's json fail near 1000 levels minus the caller's depth): a fixed limit far below that makes the
+# outcome the same in every call stack; real prompt records nest < 10 levels.
+MAX_NESTING = 256
 _decoder = msgspec.json.Decoder()
 
 
@@ -43,6 +56,7 @@ class Raw(msgspec.Struct):
     line: int
     value: Any = None
     error: str = ""  # set when this one record could not be parsed
+    code: str = ""  # the error's Reason
     raw: bytes = b""  # the first RAW_PREFIX bytes of the record, for its reject
     size: int = 0  # the record's length in bytes in the source
     blank: bool = False  # an empty or whitespace-only line (JSONL): counted, nothing else
@@ -56,13 +70,49 @@ def escaped(raw: bytes, size: int | None = None) -> str:
 
 
 def parse_record(data: bytes, line: int) -> Raw:
-    """One record's bytes → its JSON value, or the reason it has none. Strict: RFC 8259 JSON in UTF-8."""
+    """One record's bytes → its JSON value, or the reason it has none. Strict: RFC 8259 JSON in UTF-8,
+    nested at most MAX_NESTING deep."""
+
+    def rejected(code: Reason, error: str) -> Raw:
+        return Raw(line, error=error, code=code, raw=data[:RAW_PREFIX], size=len(data))
+
+    if (at := too_deep(data)) is not None:
+        return rejected(Reason.TOO_DEEP, f"nested deeper than {MAX_NESTING} arrays/objects (at byte {at})")
     try:
         return Raw(line, _decoder.decode(data), size=len(data))
     except UnicodeDecodeError:
-        return Raw(line, error=f"invalid UTF-8 at byte {_bad_utf8_at(data)}", raw=data[:RAW_PREFIX], size=len(data))
-    except msgspec.DecodeError as e:  # ValidationError (a number out of range) included
-        return Raw(line, error=f"invalid JSON: {e}", raw=data[:RAW_PREFIX], size=len(data))
+        return rejected(Reason.INVALID_UTF8, f"invalid UTF-8 at byte {_bad_utf8_at(data)}")
+    except msgspec.ValidationError as e:  # a float beyond double range, an integer over 4300 characters
+        return rejected(Reason.NUMBER_OUT_OF_RANGE, f"invalid JSON: {e}")
+    except msgspec.DecodeError as e:
+        return rejected(Reason.INVALID_JSON, f"invalid JSON: {e}")
+    except RecursionError:  # only where the caller's own stack is already near the interpreter's limit
+        return rejected(Reason.TOO_DEEP, "nested deeper than the JSON decoder can follow here")
+
+
+_NESTING = re.compile(rb'[\[\]{}"]')
+
+
+def too_deep(data: bytes, limit: int = MAX_NESTING) -> int | None:
+    """The offset of the first bracket nested deeper than `limit` (strings skipped), or None. Free for a record
+    with at most `limit` brackets in all (two C scans); otherwise one step per bracket or string."""
+    if data.count(b"[") + data.count(b"{") <= limit:
+        return None
+    depth, pos = 0, 0
+    while (m := _NESTING.search(data, pos)) is not None:
+        c, pos = m.group(), m.end()
+        if c == b'"':
+            s = _STRING_REST.match(data, pos)
+            if s is None:
+                return None  # an unterminated string: the decoder names it
+            pos = s.end()
+        elif c in b"[{":
+            depth += 1
+            if depth > limit:
+                return m.start()
+        else:
+            depth = max(0, depth - 1)
+    return None
 
 
 def _bad_utf8_at(data: bytes) -> int:
@@ -76,7 +126,25 @@ def _bad_utf8_at(data: bytes) -> int:
 
 def _too_big(line: int, head: bytes, size: int, limit: int) -> Raw:
     return Raw(line, error=f"record of {size} bytes is over max_record_bytes {limit}: not read",
-               raw=head[:RAW_PREFIX], size=size)
+               code=Reason.TOO_BIG, raw=head[:RAW_PREFIX], size=size)
+
+
+_OTHER_ENCODINGS = (  # longest first: UTF-32 LE starts with UTF-16 LE's mark
+    (b"\x00\x00\xfe\xff", "UTF-32"), (b"\xff\xfe\x00\x00", "UTF-32"), (b"\xfe\xff", "UTF-16"), (b"\xff\xfe", "UTF-16"))
+
+
+def check_encoding(path: Path) -> None:
+    """SourceError, once for the whole file, when a text file is UTF-16 or UTF-32 (by its byte-order mark, or
+    a first '{' or '[' beside a NUL byte) instead of UTF-8: read as UTF-8, every line would be a reject."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+    for mark, name in _OTHER_ENCODINGS:
+        if head.startswith(mark):
+            raise SourceError(f"{path}: file is {name} (byte-order mark {mark.hex(' ').upper()}); must be UTF-8 "
+                              f"(convert it, e.g. iconv -f {name} -t UTF-8)")
+    if head[:2] in (b"{\x00", b"[\x00", b"\x00{", b"\x00["):
+        raise SourceError(f"{path}: file is UTF-16 (no byte-order mark; NUL bytes between the characters); "
+                          "must be UTF-8 (convert it, e.g. iconv -f UTF-16LE -t UTF-8)")
 
 
 def detect_format(path: Path) -> str:
@@ -151,9 +219,12 @@ def _fast_element(mm: Any, start: int, max_record_bytes: int) -> tuple[int, Any]
         pos, sep = m.start() + 1, m.end() - 1
         if mm[sep:sep + 1] == b"]" and _WS.match(mm, sep + 1).end() != len(mm):
             continue  # a ']' that does not end the file closes a nested list
+        piece = mm[start:pos]
+        if too_deep(piece) is not None:
+            return None  # the structural scan finds its end; parse_record names the reason
         try:
-            return sep, _decoder.decode(mm[start:pos])
-        except (msgspec.DecodeError, UnicodeDecodeError):
+            return sep, _decoder.decode(piece)
+        except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
             continue
     return None
 
@@ -257,18 +328,19 @@ def _json_array(path: Path, max_record_bytes: int) -> Iterator[Raw]:
                     continue
                 why = raw.error
             found = _resync(mm, start, None if end < 0 else end, max_record_bytes)
+            code = raw.code if end >= 0 else Reason.INVALID_JSON
             if found is None and end >= 0:
-                yield Raw(n, error=why, raw=bytes(mm[start:min(end, start + RAW_PREFIX)]).rstrip(), size=end - start)
+                yield Raw(n, error=why, code=code, raw=bytes(mm[start:min(end, start + RAW_PREFIX)]).rstrip(), size=end - start)
                 pos = end
                 continue
             if found is None:  # nothing after it parses: the rest of the file is this one reject
                 rest = len(mm) - start
                 starts = 1 + sum(1 for _ in _ELEMENT_START.finditer(mm, start))
                 yield Raw(n, error=f"invalid JSON ({why}); cannot resync the array: skipped the remaining {rest} "
-                          f"bytes (about {starts} elements)", raw=bytes(mm[start:start + RAW_PREFIX]), size=rest)
+                          f"bytes (about {starts} elements)", code=Reason.INVALID_JSON, raw=bytes(mm[start:start + RAW_PREFIX]), size=rest)
                 return
             resume, _ = found
-            yield Raw(n, error=f"invalid JSON ({why}); resynced {resume - start} bytes later",
+            yield Raw(n, error=f"invalid JSON ({why}); resynced {resume - start} bytes later", code=code,
                       raw=bytes(mm[start:min(resume, start + RAW_PREFIX)]), size=resume - start)
             pos = resume
 
@@ -306,13 +378,56 @@ def _parquet(path: Path, max_record_bytes: int) -> Iterator[Raw]:
         raise SourceError(f"{path}: no record in this Parquet file can be a prompt: columns {', '.join(columns) or 'none'}; "
                           f"expected a column {SHAPES}")
     n = 0
-    try:
-        for batch in pf.iter_batches(batch_size=1024):
-            for row in batch.to_pylist():
-                n += 1
+    batches = pf.iter_batches(batch_size=1024)
+    while True:
+        try:
+            batch = next(batches, None)
+        except (pa.ArrowException, OSError) as e:
+            raise SourceError(f"{path}: Parquet file unreadable after row {n}: {e}") from None
+        if batch is None:
+            return
+        try:
+            rows: list[dict | None] = batch.to_pylist()
+        except _VALUE_ERRORS:  # some value has no Python form: find the rows, keep the others
+            rows = [_parquet_row(batch, i) for i in range(batch.num_rows)]
+        for i, row in enumerate(rows):
+            n += 1
+            if row is None:
+                yield _unreadable_row(batch, i, n)
+            else:
                 yield Raw(n, {renamed[k]: v for k, v in row.items()} if renamed else row)
-    except (pa.ArrowException, OSError) as e:
-        raise SourceError(f"{path}: Parquet file unreadable after row {n}: {e}") from None
+
+
+# What converting a Parquet value to Python raises when Python cannot hold it (OverflowError for a
+# timestamp past year 9999 or a duration over C int range; ArrowNotImplementedError for a type with no
+# Python form).
+_VALUE_ERRORS = (ArithmeticError, ValueError, TypeError, NotImplementedError, RecursionError)
+
+
+def _parquet_row(batch: Any, i: int) -> dict | None:
+    try:
+        return batch.slice(i, 1).to_pylist()[0]
+    except _VALUE_ERRORS:
+        return None
+
+
+def _unreadable_row(batch: Any, i: int, n: int) -> Raw:
+    """The reject of a row with a value Python cannot hold, naming the column and the converter's message."""
+    for name, column in zip(batch.schema.names, batch.columns, strict=True):
+        try:
+            column[i].as_py()
+        except _VALUE_ERRORS as e:
+            return Raw(n, error=f"column {name.removeprefix(chr(0xFEFF))!r}: value has no Python form "
+                       f"({type(e).__name__}: {e})", code=Reason.UNREADABLE_VALUE, raw=_scalar_text(column, i))
+    return Raw(n, error="row has no Python form", code=Reason.UNREADABLE_VALUE)
+
+
+def _scalar_text(column: Any, i: int) -> bytes:
+    """Arrow's own text of the value (Arrow formats what Python cannot hold), bounded."""
+    try:
+        return column.slice(i, 1).to_string(window=1)[:RAW_PREFIX].encode()
+    except Exception:  # text for a reject only: the type says enough then
+        return str(column.type).encode()
 
 
 READERS = {"jsonl": _jsonl, "json": _json_array, "parquet": _parquet}
@@ -338,6 +453,7 @@ def check_source(source: str, cfg: Config) -> None:
     if not source.startswith("s3://"):
         if not Path(source).is_file():
             raise SourceError(f"{source}: no such file")
+        check_encoding(Path(source))  # a Parquet file starts with PAR1: never taken for UTF-16
         return
     from shared.store import StoreError
 
@@ -384,4 +500,7 @@ def _check_bucket(store: Any, source: str) -> None:
 
 
 def read_records(path: Path, fmt: str | None = None, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> Iterator[Raw]:
+    """The records of `path`, each with its number; SourceError when the file as a whole is unusable."""
+    if fmt != "parquet":
+        check_encoding(path)  # before format detection: a UTF-16 file has no recognisable first byte
     return READERS[fmt or detect_format(path)](path, max_record_bytes)
