@@ -21,11 +21,14 @@ sys.path.insert(0, str(ROOT))
 from shared.config import Config, load_config  # noqa: E402
 from shared.stack import EmbeddedStack, Ports  # noqa: E402
 
+NATS_SYNC = os.environ.get("BENCH_NATS_SYNC", "always")  # the embedded default; "2m" is nats-server's own
+
 
 @contextlib.contextmanager
-def bench_stack(keep: Path | None = None) -> Iterator[EmbeddedStack]:
+def bench_stack(keep: Path | None = None, nats_sync: str = NATS_SYNC) -> Iterator[EmbeddedStack]:
     """An embedded stack in a temporary folder, or in `keep` (made if missing, left in place) so that
-    a later call picks up its streams and objects (with the same credentials, kept there 0600)."""
+    a later call picks up its streams and objects (with the same credentials, kept there 0600).
+    Its JetStream fsync is `nats_sync` (BENCH_NATS_SYNC): "always" as `dfpipe stack up` starts it."""
     creds = {"AWS_ACCESS_KEY_ID": "bench" + secrets.token_hex(4), "AWS_SECRET_ACCESS_KEY": secrets.token_urlsafe(24)}
     if keep is not None:
         keep.mkdir(parents=True, exist_ok=True)
@@ -40,7 +43,7 @@ def bench_stack(keep: Path | None = None) -> Iterator[EmbeddedStack]:
         os.environ.setdefault(k, v)
     with tempfile.TemporaryDirectory(prefix="dflash-bench-") as tmp:
         root = keep or Path(tmp)
-        stack = EmbeddedStack(root, Ports.free())
+        stack = EmbeddedStack(root, Ports.free(), nats_sync=nats_sync)
         stack.start()
         try:
             yield stack

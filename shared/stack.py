@@ -132,11 +132,13 @@ def _pid_alive(pid: int, binary: str) -> bool:
 class EmbeddedStack:
     """One nats-server and one weed mini under `root`; used by `dfpipe stack` and the test fixtures."""
 
-    def __init__(self, root: Path, ports: Ports, host: str = "127.0.0.1", bucket: str = "dflash") -> None:
+    def __init__(self, root: Path, ports: Ports, host: str = "127.0.0.1", bucket: str = "dflash",
+                 nats_sync: str = "always") -> None:
         self.root = Path(root)
         self.ports = ports
         self.host = host
         self.bucket = bucket
+        self.nats_sync = nats_sync  # stack.nats_sync: "always" (fsync before every ack) or an interval
         self.pids: dict[str, int] = {}
         self.nats_bin = find_binary("nats-server")
         self.weed_bin = find_binary("weed")
@@ -178,10 +180,22 @@ class EmbeddedStack:
     def start_nats(self) -> int:
         store = self.root / "nats"
         store.mkdir(parents=True, exist_ok=True)
+        # sync_interval has no command-line flag: the JetStream block is a config file (store_dir with it,
+        # since nats-server refuses -sd beside a config that names one). Quoted: unquoted, nats-server reads
+        # "2m" as the number 2 million (its size suffix), i.e. 2,000,000 seconds.
+        conf = self.root / "nats.conf"
+        conf.write_text(f"jetstream {{\n  store_dir: {json.dumps(str(store))}\n"
+                        f"  sync_interval: {json.dumps(self.nats_sync)}\n}}\n")
         return self._spawn("nats", [
-            self.nats_bin, "-js", "-sd", str(store), "-a", self.host, "-p", str(self.ports.nats),
+            self.nats_bin, "-c", str(conf), "-a", self.host, "-p", str(self.ports.nats),
             "-m", str(self.ports.nats_monitor), "-n", "dflash-embedded",
         ])
+
+    def nats_sync_in_effect(self) -> str:
+        """What the running server reports (its /varz): "always", or the interval in seconds."""
+        with urllib.request.urlopen(f"http://{self.host}:{self.ports.nats_monitor}/varz", timeout=2) as r:
+            config = json.load(r).get("jetstream", {}).get("config", {})
+        return "always" if config.get("sync_always") else f"{config.get('sync_interval', 0) / 1e9:g}s"
 
     def start_s3(self) -> int:
         store = self.root / "s3"
@@ -334,7 +348,7 @@ def stack_up(cfg: Config) -> EmbeddedStack:
             existing.wait_healthy(30)
             return existing
         existing.stop()  # a half-dead stack: stop what is left, then start clean
-    stack = EmbeddedStack(root, Ports.from_config(cfg), cfg.stack.host, cfg.store.bucket)
+    stack = EmbeddedStack(root, Ports.from_config(cfg), cfg.stack.host, cfg.store.bucket, cfg.stack.nats_sync)
     stack.start()
     return stack
 
