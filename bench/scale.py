@@ -12,7 +12,8 @@ Measured per size: wall time and prompts/s of each stage, CPU ms per prompt and 
 `dfpipe status` latency at the end (cold: a fresh process; warm: a second process, and the status API's
 second call in one process), the dashboard listener's catch-up and snapshot latency, the trainer's data
 memory (anonymous apart from mapped files), its index and plan times. Targets (DESIGN.md, Scale) are for
-914,000 prompts; smaller sizes show the per-prompt cost curve.
+914,000 prompts; smaller sizes show the per-prompt cost curve. The stack's JetStream fsync is the embedded
+default, "always"; BENCH_NATS_SYNC=2m runs it with nats-server's own (the result records which).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import ROOT, bench_config, bench_stack, table, write_result
+from common import NATS_SYNC, ROOT, bench_config, bench_stack, table, write_result
 
 from services.pipeline.run import RunRequest, service_specs
 from services.pipeline.supervisor import Supervisor
@@ -337,7 +338,7 @@ def measure(n: int, faults: bool, steps: int) -> dict[str, Any]:
     }
     e2e = times["tokenize"]
     return {
-        "prompts": n, "generators": GENERATORS, "settings": SETTINGS, "faults": run_out["kills"],
+        "prompts": n, "nats_sync": NATS_SYNC, "generators": GENERATORS, "settings": SETTINGS, "faults": run_out["kills"],
         "restarts": run_out["restarts"], "prompts_file_s": round(prompts_file_s, 2),
         "stages_s": {k: round(v, 2) for k, v in times.items()},
         "prompts_per_s": {"feed": round(n / times["feed"], 1), "generate": round(n / times["generate"], 1),
