@@ -232,6 +232,7 @@ def test_jsonl_any_bytes_every_line_once_and_the_accepted_set_is_the_references(
     path = tmp_path_factory.mktemp("jsonl") / "p.jsonl"
     path.write_bytes((b"\xef\xbb\xbf" if bom else b"") + body)
     got = outcomes(path)
+    body = body.removeprefix(b"\xef\xbb\xbf")  # a first line starting with the mark starts with a BOM: the reader's rule
     pieces = body.split(b"\n")
     if pieces[-1] == b"":
         pieces.pop()  # the newline ends the last line; nothing follows it
@@ -387,7 +388,8 @@ def test_real_feed_accounts_every_line_once_and_publishes_nothing_twice(stack, t
     assert summary.read == len(lines) == summary.accepted + summary.duplicates + summary.rejected + summary.blank
     want: dict[str, int] = {}
     blank, rejected = set(), set()
-    for n, line in enumerate(lines, 1):
+    expected = [lines[0].removeprefix(b"\xef\xbb\xbf"), *lines[1:]]  # the file's first bytes: a BOM if they are one
+    for n, line in enumerate(expected, 1):
         if not line.strip(b" \t\r\n"):
             blank.add(n)
             continue

@@ -134,17 +134,30 @@ _OTHER_ENCODINGS = (  # longest first: UTF-32 LE starts with UTF-16 LE's mark
 
 
 def check_encoding(path: Path) -> None:
-    """SourceError, once for the whole file, when a text file is UTF-16 or UTF-32 (by its byte-order mark, or
-    a first '{' or '[' beside a NUL byte) instead of UTF-8: read as UTF-8, every line would be a reject."""
+    """SourceError, once for the whole file, when a text file is UTF-16 or UTF-32 instead of UTF-8 (read as UTF-8,
+    every line would be a reject): by its byte-order mark, or, without one, by its first 64 bytes being JSON
+    text with a NUL byte at every other position (ASCII in UTF-16). A stray NUL in a UTF-8 line is that line's
+    reject, not the file's."""
     with open(path, "rb") as f:
-        head = f.read(4)
+        head = f.read(64)
     for mark, name in _OTHER_ENCODINGS:
         if head.startswith(mark):
             raise SourceError(f"{path}: file is {name} (byte-order mark {mark.hex(' ').upper()}); must be UTF-8 "
                               f"(convert it, e.g. iconv -f {name} -t UTF-8)")
-    if head[:2] in (b"{\x00", b"[\x00", b"\x00{", b"\x00["):
-        raise SourceError(f"{path}: file is UTF-16 (no byte-order mark; NUL bytes between the characters); "
-                          "must be UTF-8 (convert it, e.g. iconv -f UTF-16LE -t UTF-8)")
+    if (order := _utf16_without_mark(head)) is not None:
+        raise SourceError(f"{path}: file is UTF-16 (no byte-order mark; a NUL byte between the characters); "
+                          f"must be UTF-8 (convert it, e.g. iconv -f UTF-16{order} -t UTF-8)")
+
+
+def _utf16_without_mark(head: bytes) -> str | None:
+    """"LE" or "BE" when `head` reads as ASCII JSON text in UTF-16, else None."""
+    if len(head) < 16:
+        return None
+    even, odd = head[0::2], head[1::2]
+    for order, text, zeros in (("LE", even, odd), ("BE", odd, even)):
+        if zeros.count(0) == len(zeros) and not text.count(0) and text.lstrip(b" \t\r\n")[:1] in (b"{", b"["):
+            return order
+    return None
 
 
 def detect_format(path: Path) -> str:
