@@ -252,8 +252,8 @@ class Chaos:
         f, fail = self.report.figures, self.report.failures
         async with await Bus.connect(cfg.bus, "chaos-verify", deadline_s=30) as bus:
             st = await run_status(cfg, bus, store)
-            shards = [e async for _, e in bus.replay("SHARDS", Subjects.shards(self.run), 1, ShardWritten)]
-            tokenized = [e async for _, e in bus.replay("TOKENIZED", Subjects.tokenized(self.run), 1, TokenizedShard)]
+            shards = [e async for _, e in bus.read_log("SHARDS", Subjects.shards(self.run), 1, ShardWritten)]
+            tokenized = [e async for _, e in bus.read_log("TOKENIZED", Subjects.tokenized(self.run), 1, TokenizedShard)]
             trainer = await bus.latest_per_subject("PROGRESS", Subjects.progress(self.run, "train", ANY))
         dead_gen, dead_tok = st.dead_lettered.get("generate", 0), st.dead_lettered.get("tokenize", 0)
         f["prompts accepted"] = st.total
