@@ -17,8 +17,8 @@ handler. The loop's rules, in one place:
     not the message's. The message is nak'ed for another worker, nothing is dead-lettered, the loop
     stops taking work, a critical Alert says why, and `work` raises `Halt`: a worker that cannot
     write must not burn its queue's deliveries into the dead letters.
-* Every read of run state (stream and consumer state, logs, last messages) is a method here that runs under
-  the failure policy with `BusConfig.read_deadline_s`: a leader election or a node's restart is retried
+* Every read of run state (stream and consumer state, logs, last messages), and the set-up calls (streams,
+  consumers), is a method here that runs under the failure policy with `BusConfig.read_deadline_s`: a leader election or a node's restart is retried
   through, a longer outage raises `GaveUp` (transient), which a reader reports in one line. A missing stream
   or consumer is an answer (None), not an error.
 * The server-side consumer has no max_deliver (-1). A message whose worker died on its last
@@ -235,12 +235,15 @@ class Bus:
                 duplicate_window=dup,
                 allow_direct=True,
             )
-            try:
-                await self.js.stream_info(spec.name)
-            except nats.js.errors.NotFoundError:
-                await self.js.add_stream(config)
-            else:
-                await self.js.update_stream(config)
+            await self._call(f"create or update stream {spec.name}", partial(self._put_stream, config))
+
+    async def _put_stream(self, config: api.StreamConfig) -> None:
+        try:
+            await self.js.stream_info(config.name)
+        except nats.js.errors.NotFoundError:
+            await self.js.add_stream(config)
+        else:
+            await self.js.update_stream(config)
 
     async def ensure_consumer(self, spec: ConsumerSpec) -> api.ConsumerInfo:
         """Create or update a durable pull consumer (pull_subscribe would ignore a changed config)."""
@@ -254,7 +257,7 @@ class Bus:
             max_deliver=-1,
             max_waiting=512,
         )
-        return await self.js.add_consumer(spec.stream, config)
+        return await self._call(f"create consumer {spec.durable}", lambda: self.js.add_consumer(spec.stream, config))
 
     async def delete_consumer(self, stream: str, durable: str) -> bool:
         """Delete a durable consumer; False if there was none."""
@@ -291,7 +294,7 @@ class Bus:
 
     # --- reading run state (under the failure policy) ------------------------------------------------
 
-    async def _read(self, what: str, fn: Callable[[], Awaitable[T]]) -> T:
+    async def _call(self, what: str, fn: Callable[[], Awaitable[T]]) -> T:
         """`fn()` retried through a failover (BusConfig.read_deadline_s); then GaveUp."""
         return await retry_async(what, _transient_api_errors(fn), deadline_s=self.cfg.read_deadline_s)
 
@@ -307,7 +310,7 @@ class Bus:
             return StreamState(i.state.first_seq, i.state.last_seq, created.isoformat() if created is not None else "",
                                dict(i.state.subjects or {}))
 
-        return await self._read(f"stream info {stream}", info)
+        return await self._call(f"stream info {stream}", info)
 
     async def consumer_state(self, stream: str, durable: str) -> ConsumerState | None:
         """A durable consumer's queue; None if it (or its stream) does not exist."""
@@ -318,7 +321,7 @@ class Bus:
             except nats.js.errors.NotFoundError:
                 return None
 
-        return await self._read(f"consumer info {stream}/{durable}", info)
+        return await self._call(f"consumer info {stream}/{durable}", info)
 
     async def consumer_states(self, stream: str) -> list[ConsumerState]:
         """Every consumer of `stream` (none if the stream does not exist)."""
@@ -329,7 +332,7 @@ class Bus:
             except nats.js.errors.NotFoundError:
                 return []
 
-        return await self._read(f"consumers of {stream}", infos)
+        return await self._call(f"consumers of {stream}", infos)
 
     async def last_msg(self, stream: str, subject: str, *, direct: bool = False) -> bytes | None:
         """The payload of the last message on `subject`; None if there is none."""
@@ -340,7 +343,7 @@ class Bus:
             except nats.js.errors.NotFoundError:
                 return None
 
-        return await self._read(f"last message {stream} {subject}", get)
+        return await self._call(f"last message {stream} {subject}", get)
 
     async def last_seq(self, stream: str) -> int:
         state = await self.stream_state(stream)
@@ -364,7 +367,7 @@ class Bus:
         end = state.last_seq  # later messages are the next read's
         seq = max(1, from_seq)
         while seq <= end:
-            got, more = await self._read(f"read {stream} {subject} from {seq}",
+            got, more = await self._call(f"read {stream} {subject} from {seq}",
                                          partial(self._log_batch, stream, subject, seq, batch))
             for at, data in got:
                 if at > end:
@@ -416,7 +419,7 @@ class Bus:
         raising; the caller follows again from the last sequence it saw.
         """
         config = api.ConsumerConfig(deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=max(1, from_seq))
-        sub = await self._read(f"follow {stream} {subject}", lambda: self.js.subscribe(
+        sub = await self._call(f"follow {stream} {subject}", lambda: self.js.subscribe(
             subject, stream=stream, ordered_consumer=True, config=config))
         try:
             while True:
@@ -438,7 +441,7 @@ class Bus:
 
     async def latest_per_subject(self, stream: str, subject: str, *, timeout_s: float = 2.0) -> list[tuple[int, Any]]:
         """The last message of every subject matching `subject` (a wildcard), e.g. each worker's progress."""
-        return await self._read(f"latest per subject {stream} {subject}",
+        return await self._call(f"latest per subject {stream} {subject}",
                                 partial(self._latest_per_subject, stream, subject, timeout_s))
 
     async def _latest_per_subject(self, stream: str, subject: str, timeout_s: float) -> list[tuple[int, Any]]:
