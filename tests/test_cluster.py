@@ -54,7 +54,7 @@ class StatusPoller(threading.Thread):
             out = subprocess.run([sys.executable, "-m", "shared.cli", "status", "--run", self.run_name],
                                  env=self.env, capture_output=True, text=True, timeout=120)
             self.codes.append((out.returncode, out.stderr[-600:]))
-            self.stop.wait(1.0)
+            self.stop.wait(3.0)  # each is a fresh process: a few seconds of CPU on a small machine
 
 
 async def completed_now(cfg, ledger: RunLedger) -> int:
