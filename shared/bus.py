@@ -105,6 +105,7 @@ class StreamState:
     last_seq: int
     created: str  # ISO time the stream was created: a recreated stream has another
     subjects: dict[str, int]  # messages per subject, when asked for with a filter
+    work_queue: bool = False  # a work queue (PROMPTS) takes no second consumer: its log is read message by message
 
 
 @dataclass(frozen=True)
@@ -196,8 +197,27 @@ class Bus:
             log.debug("NATS client error: %s", e)
 
         opts.update(disconnected_cb=_disconnected, reconnected_cb=_reconnected, error_cb=_error)
+
+        async def attempt() -> nats.NATS:
+            # nats' first connect goes round the servers by itself, forever when reconnects are (max -1): the
+            # deadline bounds it from outside, and a client given up on is closed, not left connecting
+            nc = nats.NATS()
+            try:
+                if deadline_s is None:
+                    await nc.connect(**opts)
+                else:
+                    try:
+                        await asyncio.wait_for(nc.connect(**opts), timeout=deadline_s)
+                    except TimeoutError:
+                        raise ConnectionError(f"no server of {len(opts['servers'])} accepted a connection") from None
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    await nc.close()
+                raise
+            return nc
+
         try:
-            nc = await retry_async(f"connect to NATS at {cfg.url}", lambda: nats.connect(**opts), deadline_s=deadline_s)
+            nc = await retry_async(f"connect to NATS at {cfg.url}", attempt, deadline_s=deadline_s)
         except GaveUp as e:
             raise ConnectionError(redact(f"NATS at {cfg.url} unreachable for {deadline_s:.0f}s: {describe(e.last)}")) from None
         return cls(nc, cfg, name)
@@ -308,7 +328,7 @@ class Bus:
                 return None
             created = getattr(i, "created", None)
             return StreamState(i.state.first_seq, i.state.last_seq, created.isoformat() if created is not None else "",
-                               dict(i.state.subjects or {}))
+                               dict(i.state.subjects or {}), i.config.retention == api.RetentionPolicy.WORK_QUEUE)
 
         return await self._call(f"stream info {stream}", info)
 
@@ -356,7 +376,8 @@ class Bus:
         the one log reader (a tail, a whole log, dead letters).
 
         Read in batches through a throwaway pull consumer (a tail of thousands costs a few round trips, an
-        empty tail one request). Each batch is one call under the failure policy: a failover mid-read (the
+        empty tail one request); a work queue, which admits no such consumer, by direct gets (one request per
+        message). Each batch is one call under the failure policy: a failover mid-read (the
         consumer's server gone) re-reads that batch from where the read stands. A message this build cannot
         decode (a newer schema, garbage) is skipped with a warning naming it: a reader that raised on it
         would fail the same way at every restart.
@@ -366,9 +387,10 @@ class Bus:
             return
         end = state.last_seq  # later messages are the next read's
         seq = max(1, from_seq)
+        read_batch = self._log_batch_direct if state.work_queue else self._log_batch
         while seq <= end:
             got, more = await self._call(f"read {stream} {subject} from {seq}",
-                                         partial(self._log_batch, stream, subject, seq, batch))
+                                         partial(read_batch, stream, subject, seq, min(batch, end - seq + 1)))
             for at, data in got:
                 if at > end:
                     return
@@ -409,6 +431,22 @@ class Bus:
         finally:
             with contextlib.suppress(Exception):
                 await self.js.delete_consumer(stream, name)
+
+    async def _log_batch_direct(self, stream: str, subject: str, start: int,
+                                limit: int) -> tuple[list[tuple[int, bytes]], int]:
+        """As `_log_batch`, one direct get per message ("more": 1 while the last get found one)."""
+        out: list[tuple[int, bytes]] = []
+        seq = start
+        while len(out) < limit:
+            try:
+                raw = await self.js.get_msg(stream, seq=seq, subject=subject, next=True)
+            except nats.js.errors.NotFoundError:
+                return out, 0
+            if raw.seq is None:
+                return out, 0
+            out.append((raw.seq, raw.data or b""))
+            seq = raw.seq + 1
+        return out, 1
 
     async def follow(self, stream: str, subject: str, from_seq: int, type: Any = None, *,
                      idle_s: float = 1.0) -> AsyncGenerator[tuple[int, Any, int] | None, None]:
