@@ -64,7 +64,8 @@ async def timed(coro) -> tuple[float, object]:
 
 
 async def full_replay(bus: Bus, run: str) -> int:
-    """The pre-ledger status read: every ShardWritten and TokenizedShard from sequence 1, one get_msg each."""
+    """The pre-ledger status read: every ShardWritten and TokenizedShard from sequence 1 (through the one log
+    reader, batched; the results before it was the only one were measured with one get_msg per event)."""
     prompts: set[str] = set()
     n = 0
     async for _, e in bus.read_log("SHARDS", Subjects.shards(run), 1, ShardWritten):
