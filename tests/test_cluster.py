@@ -61,7 +61,8 @@ async def completed_now(cfg, ledger: RunLedger) -> int:
     return (await ledger.refresh()).completed
 
 
-def test_r3_run_on_hf_rides_through_leader_kills(cluster: ClusterStack, cluster_env, tmp_path: Path) -> None:  # noqa: F811
+def test_r3_run_on_hf_rides_through_leader_kills(cluster: ClusterStack, cluster_env, tmp_path: Path,  # noqa: F811
+                                                  request: pytest.FixtureRequest) -> None:
     from dashboard.listener import Listener
 
     run = new_run()
@@ -70,6 +71,7 @@ def test_r3_run_on_hf_rides_through_leader_kills(cluster: ClusterStack, cluster_
     env = {**cluster_env, **TINY}
     cfg = cluster_config(cluster, run)
     listener = Listener(cfg, run)
+    request.addfinalizer(listener.close)
     proc = subprocess.Popen([sys.executable, "-m", "shared.cli", "run", "--run", run, "--prompts", str(prompts),
                              "--backend", "hf", "--generators", "2", "--no-train", "--no-dashboard", "--plain"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -127,5 +129,4 @@ def test_r3_run_on_hf_rides_through_leader_kills(cluster: ClusterStack, cluster_
                                            or listener.snapshot().durable[run].completed < PROMPTS):
         time.sleep(0.5)
     snap = listener.snapshot()
-    listener.close()
     assert snap.durable[run].completed == PROMPTS and snap.health.nats_ok and not snap.health.nats_error, snap.health
