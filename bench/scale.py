@@ -105,13 +105,8 @@ class Meter:
 
 async def consumer_counts(bus: Any, stream: str, durable: str) -> tuple[int, int] | None:
     """(pending, ack pending) of a consumer; None before it exists."""
-    import nats
-
-    try:
-        info = await bus.js.consumer_info(stream, durable)
-    except nats.js.errors.NotFoundError:
-        return None
-    return info.num_pending, info.num_ack_pending
+    info = await bus.consumer_state(stream, durable)
+    return None if info is None else (info.pending, info.ack_pending)
 
 
 async def drive(cfg: Config, stack: Any, prompts: Path, env: dict[str, str], logs: Path, faults: bool) -> dict[str, Any]:

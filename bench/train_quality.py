@@ -47,10 +47,6 @@ ARCHS = ("dflash", "dflash2")
 
 async def forget_training(cfg, store) -> int:
     """A run's training undone: its checkpoints, eval report and the trainer's consumer `train-<run>`."""
-    import contextlib
-
-    import nats.js.errors
-
     from shared.bus import Bus, consumer_for
     from shared.topology import Keys
 
@@ -59,8 +55,7 @@ async def forget_training(cfg, store) -> int:
         store.delete(key)
     spec = consumer_for("train", cfg.run)
     async with await Bus.connect(cfg.bus, "bench", deadline_s=10) as bus:
-        with contextlib.suppress(nats.js.errors.NotFoundError):
-            await bus.js.delete_consumer(spec.stream, spec.durable)
+        await bus.delete_consumer(spec.stream, spec.durable)
     return len(keys)
 
 
@@ -71,8 +66,8 @@ async def data_figures(cfg) -> dict:
     from shared.topology import Subjects
 
     async with await Bus.connect(cfg.bus, "bench", deadline_s=10) as bus:
-        tok = [e async for _, e in bus.replay("TOKENIZED", Subjects.tokenized(cfg.run), 1, TokenizedShard)]
-        gen = [p async for _, p in bus.replay("PROGRESS", Subjects.whole_run(cfg.run), 1)
+        tok = [e async for _, e in bus.read_log("TOKENIZED", Subjects.tokenized(cfg.run), 1, TokenizedShard)]
+        gen = [p async for _, p in bus.read_log("PROGRESS", Subjects.whole_run(cfg.run), 1)
                if isinstance(p, GeneratorProgress)]
     return {"samples": sum(e.num_samples for e in tok), "tokens": sum(e.num_tokens for e in tok),
             "supervised_tokens": sum(e.num_supervised for e in tok),
@@ -86,7 +81,7 @@ async def training_figures(cfg, since: float) -> dict:
     from shared.topology import Subjects
 
     async with await Bus.connect(cfg.bus, "bench", deadline_s=10) as bus:
-        train = [p async for _, p in bus.replay("PROGRESS", Subjects.whole_run(cfg.run), 1)
+        train = [p async for _, p in bus.read_log("PROGRESS", Subjects.whole_run(cfg.run), 1)
                  if isinstance(p, TrainerProgress) and p.state == "running" and p.ts >= since]
     return {"train_steps": train[-1].step if train else 0,
             "train_wall_s": round(train[-1].ts - train[0].ts, 1) if len(train) > 1 else None,

@@ -237,7 +237,8 @@ def stack_health_panel(snap: Snapshot, cfg: Config, manifest: dict[str, Any] | N
     h = snap.health
     c1, c2 = st.columns(2)
     c1.metric("NATS", "reachable" if h.nats_ok else "unreachable")
-    c1.caption(cfg.bus.url + (f" — {h.nats_error}" if h.nats_error else ""))
+    down = f" (for {time.time() - h.nats_down_since:.0f}s)" if h.nats_down_since else ""
+    c1.caption(cfg.bus.url + (f" — {h.nats_error}{down}" if h.nats_error else ""))
     c2.metric("S3", "reachable" if h.s3_ok else "unreachable")
     c2.caption(f"{cfg.store.endpoint} / {cfg.store.bucket}" + (f" — {h.s3_error}" if not h.s3_ok else ""))
     if snap.lag:

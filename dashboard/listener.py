@@ -6,8 +6,10 @@ On start it replays the PROGRESS stream from its first message (a page opened on
 shows days one and two), then follows it live with an ordered consumer. The counts workers cannot give
 exactly (unique prompts in S3, shards tokenized, data quality) come from each run's ledger
 (`shared.ledger.RunLedger`: its S3 snapshot, then the new events at every poll). Dead letters, stream
-lag per consumer, S3 reachability and run manifests are polled every few seconds. Any failure
-(NATS or S3 down) is recorded as a message for the page and retried; nothing raises into the page.
+lag per consumer, S3 reachability and run manifests are polled every few seconds. Every read is a bus
+method under the failure policy (a failover is retried through); a longer outage is recorded as stack
+health for the page (what failed, and since when) and tried again at the next poll; nothing raises into the
+page.
 """
 
 from __future__ import annotations
@@ -23,15 +25,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-import nats.errors
-import nats.js.errors
-from nats.js import api
 
 from dashboard.state import RunState, apply
 from shared.bus import Bus
 from shared.config import Config
+from shared.failures import describe
 from shared.ledger import DurableCounts, RunLedger
-from shared.messages import DeadLetter, MessageError, ProgressMessage, decode
+from shared.messages import DeadLetter, ProgressMessage
 from shared.store import Store, StoreError
 from shared.topology import ANY, Keys, Subjects
 
@@ -59,6 +59,7 @@ class Health:
     replaying: bool = True
     replay_pending: int = 0
     checked_at: float = 0.0
+    nats_down_since: float = 0.0  # wall time NATS became unreachable (or its reads failed); 0 while it answers
 
 
 @dataclass
@@ -104,7 +105,7 @@ class Listener:
 
     def replay_dead_letters(self, run: str, stage: str = "*", timeout_s: float = 60.0) -> int:
         """The same path as `dfpipe replay`: Bus.replay_dead_letters, run on the listener's loop."""
-        if self._bus is None or not self._bus.nc.is_connected:
+        if self._bus is None or not self._bus.connected:
             raise ConnectionError("not connected to NATS")
         count = self._submit(self._bus.replay_dead_letters(run, stage)).result(timeout_s)
         self._submit(self._refresh_dead_letters()).result(timeout_s)
@@ -139,13 +140,17 @@ class Listener:
 
     def _health(self, **changes: Any) -> None:
         with self._lock:
+            health = self._state.health
             for k, v in changes.items():
-                setattr(self._state.health, k, v)
-            self._state.health.checked_at = time.time()
+                setattr(health, k, v)
+            health.checked_at = time.time()
+            if "nats_ok" in changes or "nats_error" in changes:
+                down = not health.nats_ok or bool(health.nats_error)
+                health.nats_down_since = (health.nats_down_since or health.checked_at) if down else 0.0
 
     async def _connect(self) -> Bus:
         while True:
-            if self._bus is not None and not self._bus.nc.is_closed:
+            if self._bus is not None and not self._bus.closed:
                 return self._bus
             try:
                 self._bus = await Bus.connect(self.cfg.bus, "dflash-dashboard", deadline_s=2.0)
@@ -160,43 +165,34 @@ class Listener:
             bus = await self._connect()
             try:
                 await self._follow(bus, stream, subject)
-            except (nats.errors.Error, nats.js.errors.Error, OSError, TimeoutError) as e:
-                stream_missing = isinstance(e, nats.js.errors.NotFoundError)
-                self._health(stream_missing=stream_missing,
-                             nats_error="" if stream_missing else f"following progress failed: {e}")
+            except Exception as e:  # the server gone past the read deadline, a failover mid-follow: follow again
+                self._health(nats_error=f"following progress failed: {describe(e)}")
                 await asyncio.sleep(POLL_S)
 
     async def _follow(self, bus: Bus, stream: str, subject: str) -> None:
         """Replay `stream` from where we are (the start, first time), then follow it live."""
-        await bus.js.stream_info(stream)  # NotFoundError: no service has created the streams yet
+        if await bus.stream_state(stream) is None:  # no service has created the streams yet
+            self._health(stream_missing=True)
+            await asyncio.sleep(POLL_S)
+            return
         self._health(stream_missing=False)
-        start = self._seq.get(stream, 0) + 1
-        config = api.ConsumerConfig(deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start)
-        sub = await bus.js.subscribe(subject, stream=stream, ordered_consumer=True, config=config)
+        followed = bus.follow(stream, subject, self._seq.get(stream, 0) + 1, ProgressMessage)
         try:
-            while not self._stop.is_set():
-                try:
-                    m = await sub.next_msg(timeout=1.0)
-                except nats.errors.TimeoutError:
+            async for item in followed:
+                if self._stop.is_set():
+                    return
+                if item is None:
                     self._health(replaying=False, replay_pending=0)
                     continue
-                md = m.metadata
-                try:
-                    event = decode(m.data, ProgressMessage)
-                except MessageError as e:
-                    log.warning("skipping undecodable %s message seq %d: %s", stream, md.sequence.stream, e)
-                    event = None
+                seq, event, pending = item
                 with self._lock:
-                    self._seq[stream] = md.sequence.stream
-                    if event is None:
-                        continue
+                    self._seq[stream] = seq
                     apply(self._state.runs, event)
-                    self._state.last_seq = md.sequence.stream
-                    self._state.health.replaying = md.num_pending > 0
-                    self._state.health.replay_pending = md.num_pending
+                    self._state.last_seq = seq
+                    self._state.health.replaying = pending > 0
+                    self._state.health.replay_pending = pending
         finally:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+            await followed.aclose()
 
     # --- polling: health, lag, dead letters, manifests -----------------------------------------------
 
@@ -209,14 +205,14 @@ class Listener:
         bus = self._bus
         if bus is None:
             return
-        if not bus.nc.is_connected:
+        if not bus.connected:
             self._health(nats_ok=False, nats_error=f"NATS at {self.cfg.bus.url} unreachable (reconnecting)")
             return
         try:
             lag = await self._lag(bus)
             await self._refresh_dead_letters()
-        except (nats.errors.Error, nats.js.errors.Error, OSError, TimeoutError) as e:
-            self._health(nats_error=f"NATS query failed: {e}")
+        except Exception as e:  # reads retried through a failover and still failing: stack health, not a crash
+            self._health(nats_error=f"NATS query failed: {describe(e)}")
             return
         with self._lock:
             self._state.lag = lag
@@ -229,13 +225,8 @@ class Listener:
     async def _lag(self, bus: Bus) -> list[ConsumerLag]:
         out = []
         for stream in ("PROMPTS", "SHARDS", "TOKENIZED"):
-            try:
-                infos = await bus.js.consumers_info(stream)
-            except nats.js.errors.NotFoundError:
-                continue
-            for info in infos:
-                out.append(ConsumerLag(stream, info.name, info.num_pending or 0, info.num_ack_pending or 0,
-                                       info.num_redelivered or 0))
+            for info in await bus.consumer_states(stream):
+                out.append(ConsumerLag(stream, info.name, info.pending, info.ack_pending, info.redelivered))
         return out
 
     async def _refresh_ledgers(self, bus: Bus) -> None:
@@ -259,10 +250,7 @@ class Listener:
         bus = self._bus
         if bus is None:
             return
-        try:
-            letters = await bus.dead_letters(self.run or "*")
-        except nats.js.errors.NotFoundError:
-            letters = []
+        letters = await bus.dead_letters(self.run or "*")  # none while the stream does not exist
         with self._lock:
             self._state.dead_letters = letters
 

@@ -1,4 +1,4 @@
-"""NATS JetStream: the only module that imports `nats`.
+"""NATS JetStream: the only module that imports `nats` (tests/test_imports.py checks it).
 
 It owns the consumers (the stream table is shared.topology's), publishing with `Nats-Msg-Id`, and the
 worker loop (fetch → handle → ack / nak with backoff / dead letter), so that a service only writes a
@@ -17,6 +17,10 @@ handler. The loop's rules, in one place:
     not the message's. The message is nak'ed for another worker, nothing is dead-lettered, the loop
     stops taking work, a critical Alert says why, and `work` raises `Halt`: a worker that cannot
     write must not burn its queue's deliveries into the dead letters.
+* Every read of run state (stream and consumer state, logs, last messages), and the set-up calls (streams,
+  consumers), is a method here that runs under the failure policy with `BusConfig.read_deadline_s`: a leader election or a node's restart is retried
+  through, a longer outage raises `GaveUp` (transient), which a reader reports in one line. A missing stream
+  or consumer is an answer (None), not an error.
 * The server-side consumer has no max_deliver (-1). A message whose worker died on its last
   allowed delivery is dead-lettered by the next worker that sees it, instead of lingering in
   the work queue forever (what a server-side max_deliver does to work-queue messages).
@@ -30,10 +34,10 @@ import logging
 import os
 import secrets
 import traceback
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import nats
 import nats.errors
@@ -42,13 +46,10 @@ from nats.aio.msg import Msg
 from nats.js import api
 
 from shared.config import BusConfig
-
-# Halt, Poison and Retry (handler outcomes) are shared.failures'; services import them from here too.
-from shared.failures import (  # noqa: F401
+from shared.failures import (
     Failure,
     GaveUp,
     Halt,
-    Poison,
     Retry,
     backoff_s,
     classify,
@@ -63,6 +64,7 @@ from shared.topology import Subjects, stage_input, streams
 log = logging.getLogger("dflash.bus")
 
 MSG_ID = "Nats-Msg-Id"
+T = TypeVar("T")
 
 # The server is down, restarting or electing: nats' errors for "not now" (shared.failures). Its timeouts are
 # TimeoutErrors already.
@@ -92,6 +94,38 @@ def consumer_for(stage: str, run: str, *, ack_wait_s: float = 60.0, max_ack_pend
     """The durable consumer each stage shares between all its workers, one per run."""
     stream, subject = stage_input(stage, run)
     return ConsumerSpec(stream, f"{stage}-{run}", subject, ack_wait_s, max_ack_pending, max_deliver, stage)
+
+
+# --- what readers get back (no nats type leaves this module) -------------------------------------
+
+
+@dataclass(frozen=True)
+class StreamState:
+    first_seq: int
+    last_seq: int
+    created: str  # ISO time the stream was created: a recreated stream has another
+    subjects: dict[str, int]  # messages per subject, when asked for with a filter
+    work_queue: bool = False  # a work queue (PROMPTS) takes no second consumer: its log is read message by message
+
+
+@dataclass(frozen=True)
+class ConsumerState:
+    name: str
+    pending: int  # in the stream, not yet delivered to this consumer
+    ack_pending: int  # delivered, not yet acked
+    redelivered: int
+
+
+def _transient_api_errors(fn: Callable[[], Awaitable[Any]]) -> Callable[[], Awaitable[Any]]:
+    """A JetStream API answer of 5xx (a cluster without a leader for a moment) as the transient failure it is."""
+
+    async def call() -> Any:
+        try:
+            return await fn()
+        except nats.js.errors.ServerError as e:
+            raise Retry(f"JetStream answered {e.code} {e.description}") from None
+
+    return call
 
 
 # --- handler outcomes --------------------------------------------------------------------------
@@ -163,8 +197,27 @@ class Bus:
             log.debug("NATS client error: %s", e)
 
         opts.update(disconnected_cb=_disconnected, reconnected_cb=_reconnected, error_cb=_error)
+
+        async def attempt() -> nats.NATS:
+            # nats' first connect goes round the servers by itself, forever when reconnects are (max -1): the
+            # deadline bounds it from outside, and a client given up on is closed, not left connecting
+            nc = nats.NATS()
+            try:
+                if deadline_s is None:
+                    await nc.connect(**opts)
+                else:
+                    try:
+                        await asyncio.wait_for(nc.connect(**opts), timeout=deadline_s)
+                    except TimeoutError:
+                        raise ConnectionError(f"no server of {len(opts['servers'])} accepted a connection") from None
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    await nc.close()
+                raise
+            return nc
+
         try:
-            nc = await retry_async(f"connect to NATS at {cfg.url}", lambda: nats.connect(**opts), deadline_s=deadline_s)
+            nc = await retry_async(f"connect to NATS at {cfg.url}", attempt, deadline_s=deadline_s)
         except GaveUp as e:
             raise ConnectionError(redact(f"NATS at {cfg.url} unreachable for {deadline_s:.0f}s: {describe(e.last)}")) from None
         return cls(nc, cfg, name)
@@ -202,12 +255,15 @@ class Bus:
                 duplicate_window=dup,
                 allow_direct=True,
             )
-            try:
-                await self.js.stream_info(spec.name)
-            except nats.js.errors.NotFoundError:
-                await self.js.add_stream(config)
-            else:
-                await self.js.update_stream(config)
+            await self._call(f"create or update stream {spec.name}", partial(self._put_stream, config))
+
+    async def _put_stream(self, config: api.StreamConfig) -> None:
+        try:
+            await self.js.stream_info(config.name)
+        except nats.js.errors.NotFoundError:
+            await self.js.add_stream(config)
+        else:
+            await self.js.update_stream(config)
 
     async def ensure_consumer(self, spec: ConsumerSpec) -> api.ConsumerInfo:
         """Create or update a durable pull consumer (pull_subscribe would ignore a changed config)."""
@@ -221,7 +277,15 @@ class Bus:
             max_deliver=-1,
             max_waiting=512,
         )
-        return await self.js.add_consumer(spec.stream, config)
+        return await self._call(f"create consumer {spec.durable}", lambda: self.js.add_consumer(spec.stream, config))
+
+    async def delete_consumer(self, stream: str, durable: str) -> bool:
+        """Delete a durable consumer; False if there was none."""
+        try:
+            await self.js.delete_consumer(stream, durable)
+        except nats.js.errors.NotFoundError:
+            return False
+        return True
 
     # --- publishing -----------------------------------------------------------------------------
 
@@ -248,78 +312,177 @@ class Bus:
         headers = {MSG_ID: msg_id} if msg_id else None
         return await self.js.publish(subject, payload, headers=headers)
 
-    # --- reading logs ---------------------------------------------------------------------------
+    # --- reading run state (under the failure policy) ------------------------------------------------
+
+    async def _call(self, what: str, fn: Callable[[], Awaitable[T]]) -> T:
+        """`fn()` retried through a failover (BusConfig.read_deadline_s); then GaveUp."""
+        return await retry_async(what, _transient_api_errors(fn), deadline_s=self.cfg.read_deadline_s)
+
+    async def stream_state(self, stream: str, subjects_filter: str | None = None) -> StreamState | None:
+        """The stream's sequences (and per-subject counts under `subjects_filter`); None if it does not exist."""
+
+        async def info() -> StreamState | None:
+            try:
+                i = await self.js.stream_info(stream, subjects_filter=subjects_filter)
+            except nats.js.errors.NotFoundError:
+                return None
+            created = getattr(i, "created", None)
+            return StreamState(i.state.first_seq, i.state.last_seq, created.isoformat() if created is not None else "",
+                               dict(i.state.subjects or {}), i.config.retention == api.RetentionPolicy.WORK_QUEUE)
+
+        return await self._call(f"stream info {stream}", info)
+
+    async def consumer_state(self, stream: str, durable: str) -> ConsumerState | None:
+        """A durable consumer's queue; None if it (or its stream) does not exist."""
+
+        async def info() -> ConsumerState | None:
+            try:
+                return _consumer_state(await self.js.consumer_info(stream, durable))
+            except nats.js.errors.NotFoundError:
+                return None
+
+        return await self._call(f"consumer info {stream}/{durable}", info)
+
+    async def consumer_states(self, stream: str) -> list[ConsumerState]:
+        """Every consumer of `stream` (none if the stream does not exist)."""
+
+        async def infos() -> list[ConsumerState]:
+            try:
+                return [_consumer_state(i) for i in await self.js.consumers_info(stream)]
+            except nats.js.errors.NotFoundError:
+                return []
+
+        return await self._call(f"consumers of {stream}", infos)
+
+    async def last_msg(self, stream: str, subject: str, *, direct: bool = False) -> bytes | None:
+        """The payload of the last message on `subject`; None if there is none."""
+
+        async def get() -> bytes | None:
+            try:
+                return (await self.js.get_last_msg(stream, subject, direct=direct)).data or b""
+            except nats.js.errors.NotFoundError:
+                return None
+
+        return await self._call(f"last message {stream} {subject}", get)
 
     async def last_seq(self, stream: str) -> int:
-        return (await self.js.stream_info(stream)).state.last_seq
-
-    async def replay(
-        self, stream: str, subject: str, from_seq: int = 1, type: Any = None
-    ) -> AsyncIterator[tuple[int, Any]]:
-        """Every message on `subject` from `from_seq` up to the stream's end *now*, in order.
-
-        Yields (stream_seq, decoded message). Used to re-run a stage from the shard log. A message this build
-        cannot decode (a newer schema version, garbage) is skipped with a warning naming why: a reader that
-        raised on it would fail the same way at every restart.
-        """
-        end = await self.last_seq(stream)
-        seq = max(1, from_seq)
-        while seq <= end:
-            try:
-                raw = await self.js.get_msg(stream, seq=seq, subject=subject, next=True)
-            except nats.js.errors.NotFoundError:
-                return
-            if raw.seq is None or raw.seq > end:
-                return
-            seq = raw.seq + 1
-            try:
-                msg = decode(raw.data, type) if type is not None else decode(raw.data)
-            except MessageError as e:
-                log.warning("%s seq %d skipped: %s", stream, raw.seq, e)
-                continue
-            yield raw.seq, msg
+        state = await self.stream_state(stream)
+        return state.last_seq if state is not None else 0
 
     async def read_log(
         self, stream: str, subject: str, from_seq: int = 1, type: Any = None, *, batch: int = 1000
     ) -> AsyncIterator[tuple[int, Any]]:
-        """Every message on `subject` from `from_seq` on, in order, read in batches: the tail of a log.
+        """Every message on `subject` from `from_seq` up to the stream's end when the read began, in order:
+        the one log reader (a tail, a whole log, dead letters).
 
-        The same messages as `replay` (up to the stream's end when the read began), through a throwaway
-        pull consumer instead of one request per message: a tail of thousands costs a few round trips
-        (`replay` costs ~0.4 ms per message), and an empty tail costs two requests. An undecodable
-        message is logged and yielded as None, so a reader still moves past it.
+        Read in batches through a throwaway pull consumer (a tail of thousands costs a few round trips, an
+        empty tail one request); a work queue, which admits no such consumer, by direct gets (one request per
+        message). Each batch is one call under the failure policy: a failover mid-read (the
+        consumer's server gone) re-reads that batch from where the read stands. A message this build cannot
+        decode (a newer schema, garbage) is skipped with a warning naming it: a reader that raised on it
+        would fail the same way at every restart.
         """
-        if (await self.js.stream_info(stream)).state.last_seq < from_seq:
+        state = await self.stream_state(stream)
+        if state is None or state.last_seq < from_seq:
             return
+        end = state.last_seq  # later messages are the next read's
+        seq = max(1, from_seq)
+        read_batch = self._log_batch_direct if state.work_queue else self._log_batch
+        while seq <= end:
+            got, more = await self._call(f"read {stream} {subject} from {seq}",
+                                         partial(read_batch, stream, subject, seq, min(batch, end - seq + 1)))
+            for at, data in got:
+                if at > end:
+                    return
+                seq = at + 1
+                try:
+                    msg = decode(data, type) if type is not None else decode(data)
+                except MessageError as e:  # one bad message must not stop every reader of the log
+                    log.warning("%s seq %d skipped: %s", stream, at, e)
+                    continue
+                yield at, msg
+            if not got or not more:
+                return
+
+    async def _log_batch(self, stream: str, subject: str, start: int, limit: int) -> tuple[list[tuple[int, bytes]], int]:
+        """Up to `limit` (sequence, payload) on `subject` from `start`, and how many more matched then."""
         name = f"read-{secrets.token_hex(8)}"
-        info = await self.js.add_consumer(stream, api.ConsumerConfig(
-            name=name, filter_subject=subject, deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
-            opt_start_seq=max(1, from_seq), ack_policy=api.AckPolicy.NONE, inactive_threshold=60.0,
-            mem_storage=True, num_replicas=1,
-        ))
-        remaining = info.num_pending or 0  # matching messages now: later ones are the next read's
         try:
-            if remaining:
+            info = await self.js.add_consumer(stream, api.ConsumerConfig(
+                name=name, filter_subject=subject, deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
+                opt_start_seq=start, ack_policy=api.AckPolicy.NONE, inactive_threshold=60.0,
+                mem_storage=True, num_replicas=1,
+            ))
+        except nats.js.errors.NotFoundError:  # the stream went away mid-read
+            return [], 0
+        try:
+            matching = info.num_pending or 0
+            want = min(limit, matching)
+            out: list[tuple[int, bytes]] = []
+            if want:
                 sub = await self.js.pull_subscribe_bind(consumer=name, stream=stream)
                 try:
-                    while remaining > 0:
-                        for m in await sub.fetch(min(batch, remaining), timeout=10.0):
-                            remaining -= 1
-                            try:
-                                msg = decode(m.data, type) if type is not None else decode(m.data)
-                            except MessageError as e:  # one bad message must not stop every reader of the log
-                                log.warning("undecodable %s message seq %d: %s", stream, m.metadata.sequence.stream, e)
-                                msg = None
-                            yield m.metadata.sequence.stream, msg
+                    while len(out) < want:
+                        out.extend((m.metadata.sequence.stream, m.data) for m in await sub.fetch(want - len(out), timeout=10.0))
                 finally:
                     with contextlib.suppress(Exception):
                         await sub.unsubscribe()
+            return out, matching - len(out)
         finally:
             with contextlib.suppress(Exception):
                 await self.js.delete_consumer(stream, name)
 
+    async def _log_batch_direct(self, stream: str, subject: str, start: int,
+                                limit: int) -> tuple[list[tuple[int, bytes]], int]:
+        """As `_log_batch`, one direct get per message ("more": 1 while the last get found one)."""
+        out: list[tuple[int, bytes]] = []
+        seq = start
+        while len(out) < limit:
+            try:
+                raw = await self.js.get_msg(stream, seq=seq, subject=subject, next=True)
+            except nats.js.errors.NotFoundError:
+                return out, 0
+            if raw.seq is None:
+                return out, 0
+            out.append((raw.seq, raw.data or b""))
+            seq = raw.seq + 1
+        return out, 1
+
+    async def follow(self, stream: str, subject: str, from_seq: int, type: Any = None, *,
+                     idle_s: float = 1.0) -> AsyncGenerator[tuple[int, Any, int] | None, None]:
+        """Every message on `subject` from `from_seq`, then each new one as it comes (a live reader: the dashboard).
+
+        Yields (sequence, message, messages still pending), or None after `idle_s` with nothing new. An
+        undecodable message is skipped with a warning. A failure (the server gone) ends the iteration by
+        raising; the caller follows again from the last sequence it saw.
+        """
+        config = api.ConsumerConfig(deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=max(1, from_seq))
+        sub = await self._call(f"follow {stream} {subject}", lambda: self.js.subscribe(
+            subject, stream=stream, ordered_consumer=True, config=config))
+        try:
+            while True:
+                try:
+                    m = await sub.next_msg(timeout=idle_s)
+                except TimeoutError:  # nats' too
+                    yield None
+                    continue
+                md = m.metadata
+                try:
+                    msg = decode(m.data, type) if type is not None else decode(m.data)
+                except MessageError as e:
+                    log.warning("%s seq %d skipped: %s", stream, md.sequence.stream, e)
+                    continue
+                yield md.sequence.stream, msg, md.num_pending
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
     async def latest_per_subject(self, stream: str, subject: str, *, timeout_s: float = 2.0) -> list[tuple[int, Any]]:
         """The last message of every subject matching `subject` (a wildcard), e.g. each worker's progress."""
+        return await self._call(f"latest per subject {stream} {subject}",
+                                partial(self._latest_per_subject, stream, subject, timeout_s))
+
+    async def _latest_per_subject(self, stream: str, subject: str, timeout_s: float) -> list[tuple[int, Any]]:
         out: list[tuple[int, Any]] = []
         sub = await self.js.subscribe(
             subject, stream=stream, ordered_consumer=True,
@@ -338,22 +501,38 @@ class Bus:
                 if m.metadata.num_pending == 0:
                     break
         finally:
-            await sub.unsubscribe()
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
         return out
 
     async def run_missing(self, run: str) -> str:
         """"" when `run` has left anything on the bus; else one line saying why not, for read-only commands
         (status, eval, drops, replay, dashboard) to print instead of a NotFoundError from deep inside."""
-        try:
-            await self.js.stream_info("PROGRESS")
-        except nats.js.errors.NotFoundError:
+        if await self.stream_state("PROGRESS") is None:
             return (f"no run {run!r}: this stack has no dflash-pipeline streams yet (nothing was fed or started "
                     f"on NATS at {self.cfg.url})")
         for spec in streams(self.cfg.progress_max_age_s):  # one direct lookup per stream: cost independent of the run's size
-            with contextlib.suppress(nats.js.errors.NotFoundError):
-                await self.js.get_last_msg(spec.name, Subjects.whole_run(run))
+            if await self.last_msg(spec.name, Subjects.whole_run(run)) is not None:
                 return ""
         return f"no run {run!r} on this stack: nothing was fed to it and no service reported for it (check the name)"
+
+    # --- core NATS (no JetStream ack) ---------------------------------------------------------------
+
+    async def publish_core(self, subject: str, payload: bytes) -> None:
+        """A plain publish: a stream bound to `subject` stores it, nothing is awaited (see the feeder's registry)."""
+        await self.nc.publish(subject, payload)
+
+    async def flush(self) -> None:
+        """Every plain publish so far is on the server."""
+        await self.nc.flush()
+
+    @property
+    def connected(self) -> bool:
+        return self.nc.is_connected
+
+    @property
+    def closed(self) -> bool:
+        return self.nc.is_closed
 
     # --- dead letters ---------------------------------------------------------------------------
 
@@ -373,7 +552,7 @@ class Bus:
                   md.num_delivered, error.splitlines()[-1] if error else "")
 
     async def dead_letters(self, run: str, stage: str = "*") -> list[tuple[int, DeadLetter]]:
-        return [item async for item in self.replay("DEADLETTER", Subjects.deadletter(run, stage), 1, DeadLetter)]
+        return [item async for item in self.read_log("DEADLETTER", Subjects.deadletter(run, stage), 1, DeadLetter)]
 
     async def replay_dead_letters(self, run: str, stage: str = "*", *, only: Callable[[DeadLetter], bool] | None = None) -> int:
         """Put dead-lettered messages back where they came from; each is then removed from DEADLETTER.
@@ -525,6 +704,10 @@ class Bus:
                         md.sequence.stream, delay, stats.last_error)
             await msg.nak(delay=delay)
             stats.retried += 1
+
+
+def _consumer_state(info: api.ConsumerInfo) -> ConsumerState:
+    return ConsumerState(info.name, info.num_pending or 0, info.num_ack_pending or 0, info.num_redelivered or 0)
 
 
 async def _fetch(sub: Any, n: int) -> list[Msg]:

@@ -49,6 +49,15 @@ def load(args: argparse.Namespace) -> Config:
     return connect_config(cfg)
 
 
+def reader_config(cfg: Config) -> Config:
+    """`cfg` for a one-shot reader (status, drops): S3 calls give up after the bus's read deadline too, so the
+    command's bound is one figure (`bus.read_deadline_s`; the connection: 10 s), then Exit.UNREACHABLE."""
+    import msgspec
+
+    store = msgspec.structs.replace(cfg.store, retry_deadline_s=min(cfg.store.retry_deadline_s, cfg.bus.read_deadline_s))
+    return msgspec.structs.replace(cfg, store=store)
+
+
 # --- dfpipe stack ------------------------------------------------------------------------------
 
 
@@ -127,9 +136,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dfpipe: config error: {e}", file=sys.stderr)
         return Exit.USAGE
     except Exception as e:
-        from shared.failures import Failure, classify
+        from shared.failures import Failure, classify, describe
 
-        if classify(e) is not Failure.FATAL:
+        failure = classify(e)
+        if failure is Failure.TRANSIENT:
+            # NATS or S3 did not answer within the command's bound (a read retried through its deadline, a
+            # connection that never came up): one line saying what, not a traceback
+            print(f"dfpipe {args.command}: stack unreachable: {describe(e)}", file=sys.stderr)
+            return Exit.UNREACHABLE
+        if failure is not Failure.FATAL:
             raise
         # a worker stopped by a fault of its settings (shared.bus.Halt, shared.store.StoreMisconfigured): the
         # reason, not a traceback

@@ -34,6 +34,10 @@ class BusConfig(Section):
     replicas: int = 1  # stream replicas: 3 on a JetStream cluster
     progress_max_age_s: float = 30 * 86400.0  # a dashboard opened on day 3 still sees day 1
     duplicate_window_s: float = 24 * 3600.0
+    # How long a reader of run state (ledger, status, `dfpipe run`'s poll, dashboard, eval) retries a JetStream
+    # call that fails transiently: a leader election takes a few seconds, a cluster node's restart ~15 s, so 30 s
+    # rides through a failover; a longer outage is reported (one-shot commands exit UNREACHABLE).
+    read_deadline_s: float = 30.0
 
 
 class StoreConfig(Section):

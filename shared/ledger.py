@@ -37,10 +37,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-import nats.js.errors
 import numpy as np
 
-from shared.bus import Bus
+from shared.bus import Bus, StreamState
 from shared.config import Config
 from shared.messages import Alert, ShardWritten, TokenizedShard
 from shared.store import KeyNotFound, Store, StoreError
@@ -336,6 +335,10 @@ class RunLedger:
     A long-lived reader (`dfpipe run`, the trainer, the dashboard) keeps one and refreshes it each poll; a
     fresh process starts from the S3 snapshot and folds the tail. A reader that folded
     SNAPSHOT_AFTER_EVENTS since the last snapshot writes a new one (at most every SNAPSHOT_EVERY_S).
+
+    Every read goes through the bus's read methods and the store, both under the failure policy: a failover
+    is retried through; a longer outage raises GaveUp out of `refresh()` with the fold as far as it got (a
+    consistent prefix: the next refresh goes on from there).
     """
 
     def __init__(self, cfg: Config, bus: Bus, store: Store | None, *, use_snapshot: bool = True) -> None:
@@ -360,12 +363,7 @@ class RunLedger:
         dead-letter counts."""
         if self.ledger is None:
             self.ledger = await self._load()
-        infos = {}
-        for stream, _, _ in _logs(self.run):
-            try:
-                infos[stream] = await self.bus.js.stream_info(stream)
-            except nats.js.errors.NotFoundError:  # no service has created the streams yet
-                infos[stream] = None
+        infos = {stream: await self.bus.stream_state(stream) for stream, _, _ in _logs(self.run)}  # None: no stream yet
         if why := self._out_of_step(infos):
             log.warning("ledger of run %s: %s; rebuilding from the logs", self.run, why)
             self.ledger, self.source = Ledger(self.run), f"rebuilt: {why}"
@@ -375,25 +373,24 @@ class RunLedger:
             info = infos[stream]
             if info is None:
                 continue
-            ledger.created[stream] = _created(info)
+            ledger.created[stream] = info.created
             start = ledger.cursor.get(stream, 0) + 1
-            if info.state.last_seq >= start:
-                seq = 0
+            if info.last_seq >= start:
                 async for seq, event in self.bus.read_log(stream, subject, start, type_):
-                    if event is not None:
-                        ledger.add(event, seq)
-                        self.folded += 1
-                        self._since_snapshot += 1
+                    ledger.add(event, seq)
+                    self.folded += 1
+                    self._since_snapshot += 1
                     ledger.cursor[stream] = seq
-                if not seq:  # none of the run's events up to last_seq (other runs', progress): skip them next time
-                    ledger.cursor[stream] = info.state.last_seq
+                # The read covered the log up to at least last_seq: what it skipped (other runs' events,
+                # progress, an undecodable message) is not read again.
+                ledger.cursor[stream] = max(ledger.cursor.get(stream, 0), info.last_seq)
             if stream == "PROGRESS":
-                ledger.expire_alerts(info.state.first_seq)
+                ledger.expire_alerts(info.first_seq)
         await asyncio.gather(self._read_manifest(), self._read_dead_letters(), self._read_prompt_queue())
         self._maybe_snapshot()
         return ledger
 
-    def _out_of_step(self, infos: dict[str, Any]) -> str:
+    def _out_of_step(self, infos: dict[str, StreamState | None]) -> str:
         """Why the fold cannot continue from these streams ("" when it can): a stream was recreated."""
         ledger = self.ledger
         assert ledger is not None
@@ -403,9 +400,9 @@ class RunLedger:
                 if seen:
                     return f"stream {stream} is gone (the fold had read it to {seen})"
                 continue
-            if seen > info.state.last_seq:
-                return f"stream {stream} ends at {info.state.last_seq}, before the fold's sequence {seen}"
-            if ledger.created.get(stream, _created(info)) != _created(info):
+            if seen > info.last_seq:
+                return f"stream {stream} ends at {info.last_seq}, before the fold's sequence {seen}"
+            if ledger.created.get(stream, info.created) != info.created:
                 return f"stream {stream} was recreated"
         return ""
 
@@ -477,32 +474,23 @@ class RunLedger:
 
     async def _read_dead_letters(self) -> None:
         """Dead letters per stage as the stream has them now (one request: the server counts per subject)."""
-        try:
-            info = await self.bus.js.stream_info("DEADLETTER", subjects_filter=Subjects.deadletter(self.run, ANY))
-        except nats.js.errors.NotFoundError:
-            self.dead_lettered = {}
-            return
+        info = await self.bus.stream_state("DEADLETTER", subjects_filter=Subjects.deadletter(self.run, ANY))
         counts: dict[str, int] = {}
-        for subject, n in (info.state.subjects or {}).items():
+        for subject, n in (info.subjects if info is not None else {}).items():
             stage = subject.split(".")[2]
             counts[stage] = counts.get(stage, 0) + n
         self.dead_lettered = counts
 
-
     async def _read_prompt_queue(self) -> None:
         """The generate consumer's in-flight and queued prompts (before any generator has started: every
         prompt fed is queued)."""
-        try:
-            info = await self.bus.js.consumer_info("PROMPTS", f"generate-{self.run}")
-            self.in_flight, self.queued = info.num_ack_pending, info.num_pending
-        except nats.js.errors.NotFoundError:
-            self.in_flight = 0
-            try:
-                sinfo = await self.bus.js.stream_info("PROMPTS", subjects_filter=Subjects.prompts(self.run))
-            except nats.js.errors.NotFoundError:  # no service has created the streams yet
-                self.queued = 0
-                return
-            self.queued = sum((sinfo.state.subjects or {}).values())
+        info = await self.bus.consumer_state("PROMPTS", f"generate-{self.run}")
+        if info is not None:
+            self.in_flight, self.queued = info.ack_pending, info.pending
+            return
+        self.in_flight = 0
+        sinfo = await self.bus.stream_state("PROMPTS", subjects_filter=Subjects.prompts(self.run))
+        self.queued = sum(sinfo.subjects.values()) if sinfo is not None else 0
 
     def stages(self) -> StageCounts:
         """The numbers each stage's end is decided by, as of the last refresh."""
@@ -547,8 +535,3 @@ def data_complete(c: StageCounts) -> bool:
     hand are the whole of it)."""
     nothing_fed = not c.fed and c.accepted == 0 and c.queued == 0 and c.in_flight == 0 and c.shards == 0
     return nothing_fed or (generation_done(c) and tokenization_done(c))
-
-
-def _created(info: Any) -> str:
-    created = getattr(info, "created", None)
-    return created.isoformat() if created is not None else ""

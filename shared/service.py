@@ -153,10 +153,12 @@ async def _stop_when_drained(bus: Bus, consumer: Consumer, stop: asyncio.Event, 
     while not stop.is_set():
         await asyncio.sleep(0.3)
         try:
-            info = await bus.js.consumer_info(spec.stream, spec.durable)
-        except Exception:  # not created yet, or the server is reconnecting: look again
+            info = await bus.consumer_state(spec.stream, spec.durable)
+        except Exception:  # the server is away past the read deadline: look again
             continue
-        idle = info.num_pending == 0 and info.num_ack_pending == 0 and stats.in_flight == 0
+        if info is None:  # not created yet
+            continue
+        idle = info.pending == 0 and info.ack_pending == 0 and stats.in_flight == 0
         if not idle:
             quiet_since = None
         elif quiet_since is None:

@@ -159,9 +159,9 @@ def format_status(st: RunStatus) -> str:
 async def _status(args: argparse.Namespace) -> int:
     import sys
 
-    from shared.cli import load
+    from shared.cli import load, reader_config
 
-    cfg = load(args)
+    cfg = reader_config(load(args))
     store = await asyncio.to_thread(Store.open, cfg, ensure_bucket=False)
     async with await Bus.connect(cfg.bus, "status", deadline_s=10) as bus:
         if missing := await bus.run_missing(cfg.run):

@@ -163,7 +163,7 @@ async def test_a_log_reader_skips_a_newer_schema_message_instead_of_failing_at_e
                                                            "v": SCHEMA_VERSION + 1, "key": "k2"}))
     await bus.publish_raw(subject, b"\xc1 not msgpack")
     await bus.publish(subject, msgspec.structs.replace(event, key="k3"))
-    assert [e.key async for _, e in bus.replay("SHARDS", subject, 1, ShardWritten)] == ["k1", "k3"]
+    assert [e.key async for _, e in bus.read_log("SHARDS", subject, 1, ShardWritten)] == ["k1", "k3"]
 
 
 # --- s3:// prompt sources --------------------------------------------------------------------------

@@ -4,7 +4,8 @@ import asyncio
 
 import pytest
 
-from shared.bus import Bus, Halt, Poison, Retry, WorkStats, consumer_for
+from shared.bus import Bus, WorkStats, consumer_for
+from shared.failures import Halt, Poison, Retry
 from shared.messages import Alert, ChatMessage, PromptTask, ShardWritten
 from shared.topology import Subjects
 
@@ -157,7 +158,7 @@ async def test_shard_log_replays_from_a_sequence(cfg, bus):
             run=cfg.run, key=f"k{i}", worker="w", seq=i, num_records=1, prompt_ids=[f"p{i}"], sha256="0", size_bytes=1,
         ), msg_id=f"k{i}")
         seqs.append(ack.seq)
-    got = [(seq, m.key) async for seq, m in bus.replay("SHARDS", subject, seqs[2], ShardWritten)]
+    got = [(seq, m.key) async for seq, m in bus.read_log("SHARDS", subject, seqs[2], ShardWritten)]
     assert got == [(seqs[i], f"k{i}") for i in (2, 3, 4)]
 
 
@@ -270,7 +271,7 @@ async def test_a_worker_whose_bucket_is_gone_puts_its_message_back_and_halts_wit
         await asyncio.wait_for(bus.work(spec, read, run=cfg.run, stop=asyncio.Event(), message_type=PromptTask,
                                         max_inflight=1, stats=stats), 60)
     assert stats.dead_lettered == 0 and stats.halted and await bus.dead_letters(cfg.run) == []
-    alerts = [a async for _, a in bus.replay("PROGRESS", Subjects.alert(cfg.run, "generate"), 1, Alert)]
+    alerts = [a async for _, a in bus.read_log("PROGRESS", Subjects.alert(cfg.run, "generate"), 1, Alert)]
     assert [(a.kind, a.severity) for a in alerts] == [("worker_halted", "critical")]
     assert "does not exist" in alerts[0].message
 

@@ -184,7 +184,7 @@ def test_browser_follows_a_real_run(stack, stack_env, dashboard, tmp_path):
                     async with await Bus.connect(cfg.bus, "pytest-truth", deadline_s=10) as bus:
                         st = await run_status(cfg, bus, Store.open(cfg))
                         tokenized = len({e.source_key async for _, e in
-                                         bus.replay("TOKENIZED", Subjects.tokenized(run), 1, TokenizedShard)})
+                                         bus.read_log("TOKENIZED", Subjects.tokenized(run), 1, TokenizedShard)})
                     return st.total, st.completed, st.shards, tokenized
 
                 with ThreadPoolExecutor(1) as pool:

@@ -16,9 +16,20 @@ import nats.errors
 import pytest
 import urllib3
 
+import shared.bus  # noqa: F401 - declares nats' errors transient, as it does in every service
 from services.generator.backends import EngineError, PromptRefused
-from shared.bus import Halt, Poison, Retry  # the names services import; bus also declares nats' transients
-from shared.failures import Failure, GaveUp, backoff_s, classify, describe, retry_async, retry_call
+from shared.failures import (  # the one module services import failure types from
+    Failure,
+    GaveUp,
+    Halt,
+    Poison,
+    Retry,
+    backoff_s,
+    classify,
+    describe,
+    retry_async,
+    retry_call,
+)
 from shared.store import (
     KeyNotFound,
     ObjectConflict,

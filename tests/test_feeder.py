@@ -41,7 +41,7 @@ def write_jsonl(path: Path, records: list) -> None:
 
 
 async def tasks_on_bus(bus, run: str) -> list[PromptTask]:
-    return [t async for _, t in bus.replay("PROMPTS", Subjects.prompts(run), 1, PromptTask)]
+    return [t async for _, t in bus.read_log("PROMPTS", Subjects.prompts(run), 1, PromptTask)]
 
 
 def test_shapes_normalize_to_one_conversation() -> None:

@@ -361,7 +361,7 @@ def feed_file(stack, path: Path):
             store = Store.open(cfg)
             summary = await Feeder(cfg, bus, store).feed([str(path)])
             again = await Feeder(cfg, bus, store).feed([str(path)])
-            tasks = [t async for _, t in bus.replay("PROMPTS", Subjects.prompts(cfg.run), 1, PromptTask)]
+            tasks = [t async for _, t in bus.read_log("PROMPTS", Subjects.prompts(cfg.run), 1, PromptTask)]
             rejects = [json.loads(x) for x in store.get_bytes(Keys.rejects(cfg.run)).splitlines()]  # always written
             manifest = json.loads(store.get_bytes(Keys.manifest(cfg.run)))
             entry = manifest["sources"][str(path)]

@@ -41,11 +41,11 @@ async def fed_ids(cfg: Config, bus: Bus, store: Store, src: Path) -> set[str]:
     from shared.messages import PromptTask
 
     await Feeder(cfg, bus, store).feed([str(src)])
-    return {t.prompt_id async for _, t in bus.replay("PROMPTS", Subjects.prompts(cfg.run), 1, PromptTask)}
+    return {t.prompt_id async for _, t in bus.read_log("PROMPTS", Subjects.prompts(cfg.run), 1, PromptTask)}
 
 
 async def shard_events(bus: Bus, run: str) -> list[ShardWritten]:
-    return [e async for _, e in bus.replay("SHARDS", Subjects.shards(run), 1, ShardWritten)]
+    return [e async for _, e in bus.read_log("SHARDS", Subjects.shards(run), 1, ShardWritten)]
 
 
 async def completed_ids(bus: Bus, run: str) -> set[str]:
@@ -262,7 +262,7 @@ async def test_a_completion_that_cannot_be_stored_fails_alone_and_the_shard_is_w
     Poison (its prompt becomes a dead letter with the reason); the others of the shard are written and
     announced. Before, the whole shard's waiters hung (their prompts unacked, kept alive by heartbeats)."""
     from services.generator.shards import ShardWriter
-    from shared.bus import Poison
+    from shared.failures import Poison
     from shared.messages import ChatMessage
     from shared.records import CompletionRecord
 

@@ -43,14 +43,14 @@ async def replay_from_start(cfg: Config, bus: Bus, store: Store) -> dict[str, An
     records = 0
     workers: dict[str, list[int]] = {}  # worker -> [records, completion tokens, shards]
     tokenized: dict[str, TokenizedShard] = {}
-    async for _, e in bus.replay("SHARDS", Subjects.shards(run), 1, ShardWritten):
+    async for _, e in bus.read_log("SHARDS", Subjects.shards(run), 1, ShardWritten):
         if e.key not in shard_keys:
             shard_keys.add(e.key)
             records += e.num_records
             mine = workers.setdefault(e.worker, [0, 0, 0])
             mine[0], mine[1], mine[2] = mine[0] + e.num_records, mine[1] + e.completion_tokens, mine[2] + 1
             prompts.update(e.prompt_ids)
-    async for _, e in bus.replay("TOKENIZED", Subjects.tokenized(run), 1, TokenizedShard):
+    async for _, e in bus.read_log("TOKENIZED", Subjects.tokenized(run), 1, TokenizedShard):
         if e.source_key not in tokenized or tokenized[e.source_key].key != e.key:
             tokenized[e.source_key] = e
     dropped: Counter[str] = Counter()
@@ -62,7 +62,7 @@ async def replay_from_start(cfg: Config, bus: Bus, store: Store) -> dict[str, An
     for _, letter in await bus.dead_letters(run):
         dead[letter.stage] = dead.get(letter.stage, 0) + 1
     latest: dict[tuple[str, str, str], Alert] = {}
-    async for _, a in bus.replay("PROGRESS", Subjects.alert(run, ANY), 1, Alert):
+    async for _, a in bus.read_log("PROGRESS", Subjects.alert(run, ANY), 1, Alert):
         latest[(a.stage, a.kind, a.worker)] = a
     kept = sum(t.num_samples for t in tokenized.values())
     return {

@@ -105,7 +105,7 @@ async def announce(bus: Bus, run: str, key: str, worker: str, seq: int, records:
 
 
 async def tokenized_events(bus: Bus, run: str) -> list[TokenizedShard]:
-    return [e async for _, e in bus.replay("TOKENIZED", Subjects.tokenized(run), 1, TokenizedShard)]
+    return [e async for _, e in bus.read_log("TOKENIZED", Subjects.tokenized(run), 1, TokenizedShard)]
 
 
 async def burst(cfg: Config, tok):
@@ -320,7 +320,7 @@ async def test_the_ok_incident_trips_the_gate_in_the_first_window_and_status_sho
 
     service = await burst(cfg, tok)
     assert service.tripped is not None and service.state == "gate_tripped"
-    alerts = [a async for _, a in bus.replay("PROGRESS", Subjects.alert(run, "tokenize"), 1, Alert)]
+    alerts = [a async for _, a in bus.read_log("PROGRESS", Subjects.alert(run, "tokenize"), 1, Alert)]
     gate = [a for a in alerts if a.kind == "quality_gate"]
     assert len(gate) == 1, alerts
     alert = gate[0]

@@ -384,7 +384,7 @@ def trainer_progress(stack, run: str) -> list[TrainerProgress]:
 
     async def read() -> list[TrainerProgress]:
         async with await Bus.connect(cfg.bus, "pytest", deadline_s=10) as bus:
-            return [p async for _, p in bus.replay("PROGRESS", Subjects.progress(run, "train", "trainer"), 1)
+            return [p async for _, p in bus.read_log("PROGRESS", Subjects.progress(run, "train", "trainer"), 1)
                     if isinstance(p, TrainerProgress)]
 
     return asyncio.run(read())
@@ -593,7 +593,7 @@ def _feed(stack, stack_env: dict, run: str, tmp_path: Path, n: int = 4) -> list[
 
     async def ids() -> list[str]:
         async with await Bus.connect(make_config(stack, run).bus, "pytest", deadline_s=10) as bus:
-            return [t.prompt_id async for _, t in bus.replay("PROMPTS", Subjects.prompts(run), 1, PromptTask)]
+            return [t.prompt_id async for _, t in bus.read_log("PROMPTS", Subjects.prompts(run), 1, PromptTask)]
 
     return asyncio.run(ids())
 

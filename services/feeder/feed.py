@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import TextIO
 
 import msgspec
-import nats.js.errors
 
 from shared.bus import Bus, ProgressLoop
 from shared.config import Config, fingerprint
@@ -174,20 +173,12 @@ class Feeder:
 
     async def _registered(self, ids: list[str]) -> list[bool]:
         async def one(pid: str) -> bool:
-            try:
-                await self.bus.js.get_last_msg("REGISTRY", Subjects.registry(self.run, pid), direct=True)
-                return True
-            except nats.js.errors.NotFoundError:
-                return False
+            return await self.bus.last_msg("REGISTRY", Subjects.registry(self.run, pid), direct=True) is not None
 
         return list(await asyncio.gather(*(one(pid) for pid in ids)))
 
     async def _has_registry(self) -> bool:
-        try:
-            await self.bus.js.get_last_msg("REGISTRY", Subjects.registry(self.run, ANY))
-            return True
-        except nats.js.errors.NotFoundError:
-            return False
+        return await self.bus.last_msg("REGISTRY", Subjects.registry(self.run, ANY)) is not None
 
     async def _publish(self, batch: list[PromptTask]) -> None:
         if self._resume:
@@ -207,7 +198,7 @@ class Feeder:
         # entry costs at most one duplicate generation after a server restart, never a lost prompt, and a
         # refusal (already registered) is exactly what we want.
         for t in batch:
-            await self.bus.nc.publish(Subjects.registry(self.run, t.prompt_id), b"")
+            await self.bus.publish_core(Subjects.registry(self.run, t.prompt_id), b"")
 
     def _reject(self, out: list[str], source: str, raw: Raw, code: str, reason: str) -> None:
         """One line of rejects.jsonl: where, why (its code and the detail), and what was there (the record,
@@ -324,7 +315,7 @@ class Feeder:
                             self.summary.refused[source] = refused
                             log.error("source refused: %s", refused)
                         self.per_source[source] = entry
-            await self.bus.nc.flush()  # the registry entries are on the server before the manifest says done
+            await self.bus.flush()  # the registry entries are on the server before the manifest says done
             self.summary.reject_reasons = dict(self.reasons.most_common())
             self.summary.reject_examples = {code: self.examples[code] for code in self.summary.reject_reasons}
             self.summary.seconds = round(time.monotonic() - started, 3)

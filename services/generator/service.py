@@ -17,8 +17,9 @@ import contextlib
 import logging
 import time
 
-from shared.bus import Bus, ConsumerSpec, Delivery, Poison, Retry, WorkStats, consumer_for
+from shared.bus import Bus, ConsumerSpec, Delivery, WorkStats, consumer_for
 from shared.config import Config, fingerprint
+from shared.failures import Poison, Retry
 from shared.ledger import RunLedger
 from shared.messages import GeneratorProgress, PromptTask
 from shared.records import CompletionRecord

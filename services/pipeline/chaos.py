@@ -10,6 +10,14 @@ guarantees are checked from S3 and the bus alone:
 - the tokenized dataset holds each of those prompts exactly once (less the samples the
   tokenizer dropped with a reason), and every completion shard was tokenized;
 - the trainer reached its last step, having resumed from a checkpoint after its kill.
+
+`--cluster` runs the same on a 3-node NATS cluster with R3 streams and a multi-process SeaweedFS
+(shared.cluster): the faults are then also SIGKILLs of the stream leader of PROMPTS and of SHARDS and of the
+meta leader (each node restarted `node_down_s` later), a node frozen (SIGSTOP) longer than a failover, and a
+volume server killed while shards and checkpoints are written; at most one node is down at a time (what R3
+survives). Each generator connects to a different cluster member, the tokenizer and the trainer to others.
+The driver's poll is `dfpipe run`'s (the ledger, under the failure policy): the report counts the polls that
+failed even after their retries, and the longest stretch the stack could not be read.
 """
 
 from __future__ import annotations
@@ -23,12 +31,14 @@ import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from shared.bus import Bus
+from shared.cluster import NATS_NODES, VOLUMES, ClusterStack
 from shared.config import Config, load_config
 from shared.ledger import RunLedger, generation_done, tokenization_done
 from shared.messages import ShardWritten, TokenizedShard, TrainerProgress
@@ -42,6 +52,9 @@ from .run import BUNDLED_PROMPTS, RunRequest, service_specs
 from .supervisor import Supervisor
 
 FAULTS = ("kill_generator", "kill_tokenizer", "kill_trainer", "restart_nats", "s3_down")
+CLUSTER_FAULTS = ("kill_generator", "kill_tokenizer", "kill_trainer", "kill_prompts_leader", "kill_shards_leader",
+                  "kill_meta_leader", "freeze_node", "kill_volume")
+NODE_FAULTS = ("kill_prompts_leader", "kill_shards_leader", "kill_meta_leader", "freeze_node", "kill_volume")
 
 
 @dataclass
@@ -54,6 +67,14 @@ class ChaosSettings:
     train_steps: int = 24
     seed: int = 0
     timeout_s: float = 1200.0
+    cluster: bool = False  # 3 NATS nodes (R3) and a multi-process SeaweedFS, with node faults
+    backend: str = "hf"
+    node_down_s: float = 5.0  # a killed node or volume server is restarted this long after
+    freeze_s: float = 10.0  # SIGSTOP this long: longer than a failover, shorter than a reader's deadline
+
+    @property
+    def faults(self) -> tuple[str, ...]:
+        return CLUSTER_FAULTS if self.cluster else FAULTS
 
 
 @dataclass
@@ -63,6 +84,7 @@ class ChaosReport:
     restarts: dict[str, int] = field(default_factory=dict)
     figures: dict[str, Any] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
+    kinds: tuple[str, ...] = FAULTS
 
     @property
     def ok(self) -> bool:
@@ -72,7 +94,7 @@ class ChaosReport:
         lines = [f"chaos run {self.run}: {'PASSED' if self.ok else 'FAILED'}", "faults injected:"]
         lines += [f"  {t:6.1f}s  {kind:<15} {detail}" for t, kind, detail in self.faults]
         counts = Counter(kind for _, kind, _ in self.faults)
-        lines.append("  totals: " + ", ".join(f"{k} {counts.get(k, 0)}" for k in FAULTS))
+        lines.append("  totals: " + ", ".join(f"{k} {counts.get(k, 0)}" for k in self.kinds))
         lines.append("restarts: " + ", ".join(f"{k} {v}" for k, v in self.restarts.items()))
         lines.append("what survived:")
         lines += [f"  {k:<28} {v}" for k, v in self.figures.items()]
@@ -102,10 +124,15 @@ class Chaos:
     def __init__(self, root: Path, s: ChaosSettings) -> None:
         self.root, self.s = root, s
         self.rng = random.Random(s.seed)
-        self.stack = EmbeddedStack(root / "stack", Ports.free())
+        self.stack: EmbeddedStack | ClusterStack = (ClusterStack(root / "stack") if s.cluster
+                                                    else EmbeddedStack(root / "stack", Ports.free()))
         self.run = f"chaos{int(time.time()) % 100000}"
-        self.report = ChaosReport(run=self.run)
+        self.report = ChaosReport(run=self.run, kinds=s.faults)
         self.t0 = time.monotonic()
+        self._node_fault: asyncio.Task[None] | None = None  # a node down or frozen now: one at a time
+        self.polls = self.polls_failed = 0
+        self._unreadable_since: float | None = None
+        self.longest_unreadable_s = 0.0
 
     def config(self, env: dict[str, str]) -> Config:
         return load_config(env={**env, "DFLASH_RUN": self.run})
@@ -148,6 +175,8 @@ class Chaos:
             if step is None or step >= self.s.train_steps:
                 return False  # only a kill after a checkpoint shows a resume
             return self._kill(sup, "trainer")
+        if kind in NODE_FAULTS:
+            return await self._node(kind)
         if kind == "restart_nats":
             await asyncio.to_thread(self.stack.stop_component, "nats")
             self.note(kind, "nats-server stopped")
@@ -166,6 +195,58 @@ class Chaos:
             return True
         raise ValueError(kind)
 
+    async def _node(self, kind: str) -> bool:
+        """A cluster fault, restored in the background (the driver keeps polling through it)."""
+        stack = self.stack
+        assert isinstance(stack, ClusterStack)
+        if self._node_fault is not None and not self._node_fault.done():
+            return False  # R3 survives one node down, not two
+        if kind == "kill_volume":
+            name = self.rng.choice(VOLUMES)
+            detail = f"volume server {name} SIGKILLed for {self.s.node_down_s:.0f}s while shards/checkpoints are written"
+        elif kind == "freeze_node":
+            name = self.rng.choice(NATS_NODES)
+            detail = f"NATS node {name} SIGSTOPped for {self.s.freeze_s:.0f}s, then SIGCONT"
+        else:
+            name = await asyncio.to_thread(stack.meta_leader if kind == "kill_meta_leader" else
+                                           partial(stack.stream_leader, kind.split("_")[1].upper()))
+            if not name:
+                return False  # between elections: try again at the next fault
+            what = "meta leader" if kind == "kill_meta_leader" else f"{kind.split('_')[1].upper()} stream leader"
+            detail = f"NATS node {name} ({what}) SIGKILLed for {self.s.node_down_s:.0f}s"
+        await asyncio.to_thread(stack.freeze if kind == "freeze_node" else stack.kill, name)
+        self.note(kind, detail)
+
+        async def restore() -> None:
+            await asyncio.sleep(self.s.freeze_s if kind == "freeze_node" else self.s.node_down_s)
+            if kind == "freeze_node":
+                stack.thaw(name)
+            else:
+                await asyncio.to_thread(stack.restart, name, 90)
+            self.say(f"{name} back")
+
+        self._node_fault = asyncio.create_task(restore())
+        return True
+
+    def _polled(self, ok: bool) -> None:
+        self.polls += 1
+        now = time.monotonic()
+        if ok:
+            self._unreadable_since = None
+            return
+        self.polls_failed += 1
+        self._unreadable_since = self._unreadable_since or now
+        self.longest_unreadable_s = max(self.longest_unreadable_s, now - self._unreadable_since)
+
+    def service_members(self, specs: list[Any]) -> None:
+        """Each generator on its own cluster member, the tokenizer and trainer on others (clients discover
+        the rest of the cluster from the member they reach)."""
+        stack = self.stack
+        if not isinstance(stack, ClusterStack):
+            return
+        for i, spec in enumerate(s for s in specs if s.name.startswith(("generator-", "tokenizer", "trainer"))):
+            spec.env["DFLASH_NATS_URL"] = stack.member_url(NATS_NODES[i % len(NATS_NODES)])
+
     # --- the run -----------------------------------------------------------------------------
 
     async def execute(self) -> ChaosReport:
@@ -175,8 +256,9 @@ class Chaos:
             env.pop("DFLASH_CONFIG", None)
             cfg = self.config(env)
             request = RunRequest(prompts=[str(self.prompts_file())], generators=[None] * self.s.generators,
-                                 backend="hf", dashboard=False, extra_env=env)
+                                 backend=self.s.backend, dashboard=False, extra_env=env)
             specs = service_specs(cfg, request)
+            self.service_members(specs)
             for spec in specs:
                 spec.deferred = False  # the trainer runs alongside generation here, so it can be killed mid-run
             sup = Supervisor(specs, self.root / "logs", crash_limit=50, backoff_base_s=0.5, backoff_cap_s=4.0, grace_s=20)
@@ -187,6 +269,11 @@ class Chaos:
             finally:
                 await sup.stop()
                 self.report.restarts = {n: max(0, st.starts - 1) for n, st in sup.services.items()}
+                if self._node_fault is not None:
+                    await self._node_fault
+            if self.s.cluster:
+                self.report.figures["state polls failed after retries"] = f"{self.polls_failed} of {self.polls}"
+                self.report.figures["longest unreadable (s)"] = round(self.longest_unreadable_s, 1)
             if self.stack.nats_healthy() and self.stack.s3_healthy():
                 await self.verify(cfg, store)
         finally:
@@ -194,7 +281,7 @@ class Chaos:
         return self.report
 
     async def _drive(self, cfg: Config, sup: Supervisor, store: Store) -> None:
-        pending = list(FAULTS)
+        pending = list(self.s.faults)
         self.rng.shuffle(pending)
         injected = 0
         next_fault = time.monotonic() + self.s.fault_every_s
@@ -217,7 +304,7 @@ class Chaos:
                     injected += 1
                     pending.remove("kill_trainer")
                 if injected < self.s.max_faults and time.monotonic() >= next_fault:
-                    kinds = [k for k in pending if k != "kill_trainer"] or list(FAULTS)
+                    kinds = [k for k in pending if k != "kill_trainer"] or list(self.s.faults)
                     for kind in list(kinds):
                         if await self.inject(kind, sup, store):
                             injected += 1
@@ -228,9 +315,11 @@ class Chaos:
                 try:
                     p = await run_overview(cfg, bus, store, ledger)
                 except Exception as e:
+                    self._polled(False)
                     print(f"[chaos] status unavailable: {type(e).__name__}: {e}", flush=True)
                     await asyncio.sleep(2)
                     continue
+                self._polled(True)
                 if phase == "generate" and generation_done(p.stages):
                     await asyncio.gather(*(sup.stop_service(n) for n in sup.services if n.startswith("generator-")))
                     phase = "tokenize"
@@ -252,8 +341,8 @@ class Chaos:
         f, fail = self.report.figures, self.report.failures
         async with await Bus.connect(cfg.bus, "chaos-verify", deadline_s=30) as bus:
             st = await run_status(cfg, bus, store)
-            shards = [e async for _, e in bus.replay("SHARDS", Subjects.shards(self.run), 1, ShardWritten)]
-            tokenized = [e async for _, e in bus.replay("TOKENIZED", Subjects.tokenized(self.run), 1, TokenizedShard)]
+            shards = [e async for _, e in bus.read_log("SHARDS", Subjects.shards(self.run), 1, ShardWritten)]
+            tokenized = [e async for _, e in bus.read_log("TOKENIZED", Subjects.tokenized(self.run), 1, TokenizedShard)]
             trainer = await bus.latest_per_subject("PROGRESS", Subjects.progress(self.run, "train", ANY))
         dead_gen, dead_tok = st.dead_lettered.get("generate", 0), st.dead_lettered.get("tokenize", 0)
         f["prompts accepted"] = st.total

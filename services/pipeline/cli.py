@@ -66,7 +66,8 @@ def _chaos(args: argparse.Namespace) -> int:
     from .chaos import ChaosSettings, report_json, run_chaos
 
     s = ChaosSettings(prompts=args.prompts, generators=args.generators, max_faults=args.faults,
-                      fault_every_s=args.every, seed=args.seed, timeout_s=args.timeout)
+                      fault_every_s=args.every, seed=args.seed, timeout_s=args.timeout, cluster=args.cluster,
+                      backend=args.backend)
     report = run_chaos(s, Path(args.dir) if args.dir else None)
     print(report.format())
     if args.json:
@@ -93,6 +94,9 @@ def register(sub: Any, replay: Any) -> None:
     c.add_argument("--every", type=float, default=8.0, help="seconds between faults")
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--timeout", type=float, default=1200.0)
+    c.add_argument("--cluster", action="store_true", help="on a 3-node NATS cluster (R3) and a multi-process "
+                   "SeaweedFS, adding leader kills, a frozen node and a volume server kill")
+    c.add_argument("--backend", choices=["hf", "synthetic"], default="hf", help="the generators' backend")
     c.add_argument("--dir", default=None, help="keep the stack, logs and data here (default: a temp dir)")
     c.add_argument("--json", default=None, help="write the report as JSON to this file")
     c.set_defaults(func=_chaos)

@@ -5,7 +5,9 @@ feed (one-shot, idempotent) → generate (N supervised workers; done when every 
 is completed or dead-lettered) → tokenize (done when every completion shard has a tokenized
 shard or a dead letter) → train (runs to its configured steps; resumes from its checkpoint)
 → eval (one-shot) → a report of where every artifact is. A crash-looping service or a tripped
-quality gate stops the run with the reason, never silently.
+quality gate stops the run with the reason, never silently. A stack that cannot be read does not: the
+services keep running (they ride through outages themselves), the display says for how long the stack has
+been unreachable, and the run goes on when it answers again.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +26,7 @@ import msgspec
 from shared.bus import Bus
 from shared.config import Config, data_dir
 from shared.exits import Exit
+from shared.failures import Failure, classify, describe, retry_async
 from shared.ledger import RunLedger, generation_done, tokenization_done
 from shared.messages import Alert
 from shared.status import RunOverview, RunStatus, run_overview, run_status
@@ -131,7 +135,35 @@ async def _crash_loop_alert(bus: Bus, run: str, st: ServiceState) -> None:
     alert = Alert(run=run, stage="run", kind="crash_loop", worker=st.spec.name,
                   message=f"{st.spec.name} crash-looped ({len(st.crashes)} exits, last code {st.last_exit}); "
                           "not restarted", examples=[])
-    await bus.publish(Subjects.alert(run, "run"), alert)
+    try:
+        await retry_async("crash-loop alert", lambda: bus.publish(Subjects.alert(run, "run"), alert),
+                          deadline_s=bus.cfg.read_deadline_s)
+    except Exception as e:  # the run stops and says why on the terminal either way
+        log.warning("crash-loop alert not published: %s", describe(e))
+
+
+class Unreachable:
+    """How long the stack has not answered `dfpipe run`'s poll: one line every `every_s` while it lasts, one when
+    it is back. The services are not stopped for it."""
+
+    def __init__(self, every_s: float = 10.0) -> None:
+        self.since: float | None = None
+        self.every_s = every_s
+        self._said = 0.0
+
+    def failed(self, error: BaseException, say: Callable[[str], None]) -> None:
+        now = time.monotonic()
+        if self.since is None:
+            self.since = now
+        if now - self._said >= self.every_s:
+            self._said = now
+            say(f"[{time_of_day()}] stack unreachable for {now - self.since:.0f}s ({describe(error)}); "
+                "services kept running, waiting for it")
+
+    def answered(self, say: Callable[[str], None]) -> None:
+        if self.since is not None:
+            say(f"[{time_of_day()}] stack reachable again after {time.monotonic() - self.since:.0f}s")
+        self.since, self._said = None, 0.0
 
 
 async def run_pipeline(cfg: Config, request: RunRequest, *, env: dict[str, str], show: bool = True,
@@ -153,10 +185,22 @@ async def run_pipeline(cfg: Config, request: RunRequest, *, env: dict[str, str],
         phase = "generate"
         outcome = Exit.OK
         ledger = RunLedger(cfg, bus, store)  # each poll folds only the events since the last
+        unreachable = Unreachable()
         try:
             with Display(cfg, show) as display:
+                def say(line: str) -> None:
+                    display.console.print(line, markup=False, highlight=False)
+
                 while True:
-                    p = await run_overview(cfg, bus, store, ledger)
+                    try:
+                        p = await run_overview(cfg, bus, store, ledger)
+                    except Exception as e:  # each read was retried through a failover already
+                        if classify(e) is not Failure.TRANSIENT:
+                            raise
+                        unreachable.failed(e, say)
+                        await asyncio.sleep(poll_s)
+                        continue
+                    unreachable.answered(say)
                     display.update(p, sup.state())
                     looping = [n for n, s in sup.state().items() if s == "crash_loop"]
                     if looping:
@@ -199,8 +243,8 @@ async def run_pipeline(cfg: Config, request: RunRequest, *, env: dict[str, str],
                 key = Keys.eval_report(cfg.run)
                 if await asyncio.to_thread(store.exists, key):
                     report = msgspec.json.decode(await asyncio.to_thread(store.get_bytes, key))
-        print_artifacts(cfg, store, report, await run_status(cfg, bus, store, ledger),
-                        on_cpu=all(g is None for g in request.generators))
+        final = await retry_async("the run's final status", lambda: run_status(cfg, bus, store, ledger), deadline_s=None)
+        print_artifacts(cfg, store, report, final, on_cpu=all(g is None for g in request.generators))
         await sup.stop()
         return outcome
 

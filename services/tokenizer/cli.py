@@ -106,11 +106,11 @@ def _drops(args: argparse.Namespace) -> int:
 
     import msgspec
 
-    from shared.cli import load
+    from shared.cli import load, reader_config
     from shared.store import Store
     from shared.topology import Keys
 
-    cfg = load(args)
+    cfg = reader_config(load(args))
     store = Store.open(cfg, ensure_bucket=False)
     if missing := asyncio.run(_run_missing(cfg)):
         print(f"dfpipe drops: {missing}", file=sys.stderr)

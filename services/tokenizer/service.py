@@ -27,8 +27,9 @@ from typing import Any
 
 import msgspec
 
-from shared.bus import Bus, Delivery, Poison, Retry, WorkStats, consumer_for
+from shared.bus import Bus, Delivery, WorkStats, consumer_for
 from shared.config import Config
+from shared.failures import Poison, Retry
 from shared.messages import Alert, ShardWritten, TokenizedShard, TokenizerProgress
 from shared.records import (
     CompletionRecord,

@@ -30,8 +30,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from shared.bus import Bus, Delivery, Poison, consumer_for
+from shared.bus import Bus, Delivery, consumer_for
 from shared.config import Config, data_dir
+from shared.failures import Poison
 from shared.messages import TokenizedShard
 from shared.records import RecordError, TokenizedSample
 from shared.store import ChecksumMismatch, KeyNotFound, Store
@@ -94,8 +95,8 @@ class ShardFeed:
         if self._task is not None and self._task.done():  # its consumer loop ended: nothing would ever catch up
             error = None if self._task.cancelled() else self._task.exception()
             raise RuntimeError(f"the trainer's shard feed stopped: {error!r}")
-        info = await self.bus.js.consumer_info(self.spec.stream, self.spec.durable)
-        return info.num_pending == 0 and info.num_ack_pending <= len(self._waiting)
+        info = await self.bus.consumer_state(self.spec.stream, self.spec.durable)
+        return info is not None and info.pending == 0 and info.ack_pending <= len(self._waiting)
 
     def snapshot(self) -> tuple[dict[str, tuple[str, int]], list[asyncio.Future[None]]]:
         """The shard table for a checkpoint, and the announcements it will cover."""
@@ -125,7 +126,7 @@ class ShardFeed:
 async def shard_keys(bus: Bus, run: str) -> list[str]:
     """The newest fingerprint's shard keys, read from the whole log (for `dfpipe eval` and readers)."""
     shards: dict[str, tuple[str, int]] = {}
-    async for seq, e in bus.replay("TOKENIZED", Subjects.tokenized(run), 1, TokenizedShard):
+    async for seq, e in bus.read_log("TOKENIZED", Subjects.tokenized(run), 1, TokenizedShard):
         if e.num_samples > 0:
             shards.setdefault(e.key, (e.fingerprint, seq))  # a key's first announcement
     return newest_keys(shards)

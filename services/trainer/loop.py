@@ -21,6 +21,7 @@ import torch
 
 from shared.bus import Bus, ProgressLoop
 from shared.config import Config
+from shared.failures import Failure, classify, describe
 from shared.ledger import RunLedger, data_complete
 from shared.messages import TrainerProgress
 from shared.store import Store
@@ -94,8 +95,14 @@ class Trainer:
         is, the feed has taken every announcement before the answer (so the keys read next are the whole data)."""
         complete = None
         if self.feed is not None:
-            await self.ledger.refresh()
-            complete = data_complete(self.ledger.stages())
+            try:
+                await self.ledger.refresh()  # retried through a failover (shared.bus reads)
+                complete = data_complete(self.ledger.stages())
+            except Exception as e:  # the stack unreadable for longer: not known complete yet, asked again next pass
+                if classify(e) is not Failure.TRANSIENT:
+                    raise
+                log.warning("run state unreadable (%s): the data counts as not complete until it is read", describe(e))
+                complete = False
             while complete and not await self.feed.caught_up():
                 await asyncio.sleep(0.2)
         return await asyncio.to_thread(self.dist.from_main, complete)
