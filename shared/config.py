@@ -190,6 +190,21 @@ class DashboardConfig(Section):
     silent_after_s: float = 60.0  # a worker with no heartbeat for this long turns red
 
 
+class LayoutConfig(Section):
+    """How `dfpipe run` places engines and training on GPUs (shared/gpus.py: `--gpus`, `--tp`)."""
+
+    # The engines' URLs, one per GPU group in order (`dfpipe run --engine-urls`). Empty: generator.engine_url,
+    # whose port is advanced by the group's index when the generators launch their engines, so N servers on
+    # one host do not collide (30000, 30001, ...).
+    engine_urls: list[str] = []
+    # GPUs training runs on when the engines are not the pipeline's to stop (`--train-gpus`). Empty: every
+    # GPU of the run's groups, once the engines `dfpipe run` launched (or the hf generators) have stopped.
+    train_gpus: list[int] = []
+    # CPU-only runs: `dfpipe run` trains under torchrun with this many gloo ranks. Default 1 (one process):
+    # ranks on the same CPU share its cores, so more only pays on a machine with cores to spare.
+    cpu_train_ranks: int = 1
+
+
 class Config(Section):
     run: str = "default"
     bus: BusConfig = msgspec.field(default_factory=BusConfig)
@@ -202,6 +217,7 @@ class Config(Section):
     tokenizer: TokenizerConfig = msgspec.field(default_factory=TokenizerConfig)
     trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
     dashboard: DashboardConfig = msgspec.field(default_factory=DashboardConfig)
+    layout: LayoutConfig = msgspec.field(default_factory=LayoutConfig)
 
 
 # Short names for the settings that deployments set most (compose, clusters, AWS).

@@ -12,6 +12,22 @@ from typing import Any
 import msgspec
 
 from shared.exits import Exit
+from shared.gpus import GpuGroup, LayoutError, parse_layout
+
+
+def engine_group(gpu: int | None, gpus: str | None, tp: int) -> GpuGroup | None:
+    """The one GPU group this worker's engine runs on (`--gpu N`, or `--gpus` + `--tp` naming one group)."""
+    if gpu is not None and gpus:
+        raise LayoutError("give --gpu N or --gpus GROUP, not both")
+    if gpus is None:
+        if tp != 1:
+            raise LayoutError(f"--tp {tp} needs --gpus naming the group's {tp} GPUs")
+        return GpuGroup((gpu,)) if gpu is not None else None
+    groups = parse_layout(gpus, tp)
+    if len(groups) != 1:
+        raise LayoutError(f"--gpus {gpus!r} --tp {tp} is {len(groups)} groups; one `dfpipe generate` runs one engine "
+                          "(start one per group, or let `dfpipe run --gpus` start them)")
+    return groups[0]
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -20,6 +36,11 @@ def _generate(args: argparse.Namespace) -> int:
 
     from .service import run_generator
 
+    try:
+        group = engine_group(args.gpu, args.gpus, args.tp)
+    except LayoutError as e:
+        print(f"dfpipe generate: {e}", file=sys.stderr)
+        return Exit.USAGE
     cfg = load(args)
     g = cfg.generator
     overrides: dict[str, Any] = {}
@@ -31,8 +52,9 @@ def _generate(args: argparse.Namespace) -> int:
         overrides["launch"] = True
     if overrides:
         cfg = msgspec.structs.replace(cfg, generator=msgspec.structs.replace(g, **overrides))
-    worker = check_name("worker", args.worker or f"{socket.gethostname().split('.')[0]}-gpu{args.gpu or 0}")
-    stats = asyncio.run(run_generator(cfg, worker, gpu=args.gpu))
+    label = group.label if group else "0"
+    worker = check_name("worker", args.worker or f"{socket.gethostname().split('.')[0]}-gpu{label}")
+    stats = asyncio.run(run_generator(cfg, worker, gpus=group))
     print(f"generator {worker}: {stats.acked} completed, {stats.retried} retried, {stats.dead_lettered} dead-lettered, "
           f"{stats.requeued_on_shutdown} requeued")
     return Exit.OK
@@ -77,8 +99,12 @@ async def _replay(args: argparse.Namespace) -> int:
 def register(sub: Any, replay: Any) -> None:
     p = sub.add_parser("generate", help="a generator worker: prompts → engine → completion shards in S3")
     p.add_argument("--run", required=True)
-    p.add_argument("--worker", default=os.environ.get("DFLASH_WORKER"), help="unique worker name (default host-gpuN)")
+    p.add_argument("--worker", default=os.environ.get("DFLASH_WORKER"),
+                   help="unique worker name (default host-gpuN, host-gpuA-B for a group)")
     p.add_argument("--gpu", type=int, default=None, help="GPU index for this worker's engine")
+    p.add_argument("--gpus", default=None, help="the GPU group of this worker's engine, e.g. 2-3 (or 2,3 --tp 2): "
+                                                "CUDA_VISIBLE_DEVICES=2,3 and --tp-size 2 for a launched SGLang")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (with --gpus)")
     p.add_argument("--backend", choices=["hf", "sglang", "openai", "synthetic"], default=None)
     p.add_argument("--engine-url", default=None, help="sglang/openai server URL")
     p.add_argument("--launch", action="store_true", help="sglang: start a server for this GPU")
