@@ -138,3 +138,31 @@ def test_a_target_too_large_for_one_training_gpu_is_refused_at_start(target: Pat
     said = fit_problem(54 * gib, 48 * gib, list(parse_layout("0,1,2,3", 2)))
     assert said and "54.0 GiB" in said and "out of scope" in said and "--no-train" in said and "groups of 2" in said
     assert fit_problem(int(48 * gib * (1 - TRAINING_HEADROOM)) + 1, 48 * gib, [GpuGroup((0,))])
+
+
+def test_a_cpu_pinned_model_trains_on_cpu_ranks_whatever_gpus_the_engines_had(target: Path) -> None:
+    cfg = config(target, model={"target": str(target), "device": "cpu"}, layout={"cpu_train_ranks": 2})
+    specs = service_specs(cfg, RunRequest(prompts=["p"], generators=list(parse_layout("0-1,2-3")), backend="sglang",
+                                          dashboard=False))
+    trainer = next(s for s in specs if s.name == "trainer")
+    assert trainer.argv[trainer.argv.index("--nproc_per_node") + 1] == "2" and "CUDA_VISIBLE_DEVICES" not in trainer.env
+
+
+def test_compose_shows_a_tp2_layout() -> None:
+    import yaml
+
+    from tests.test_compose import ROOT, _active, _gpu_ids
+
+    services = _active(yaml.safe_load((ROOT / "compose.yaml").read_text())["services"], "gpu-tp2")
+    server, gen = services["sglang-tp2-0"], services["generator-tp2-0"]
+    assert _gpu_ids(server) == ["0", "1"] and server["command"][server["command"].index("--tp-size") + 1] == "2"
+    assert "sglang.launch_server" in server["command"] and "/health_generate" in " ".join(server["healthcheck"]["test"])
+    assert gen["depends_on"]["sglang-tp2-0"]["condition"] == "service_healthy"
+    assert "http://sglang-tp2-0:30000" in gen["command"]
+    args = build_parser().parse_args([a.replace("${DFLASH_RUN:-demo}", "demo") for a in gen["command"]])
+    assert args.worker == "gpu0-1" and args.backend == "sglang"
+    assert {"trainer-gpu", "eval-gpu", "feeder", "tokenizer"} <= set(services)
+    assert not any(n in services for n in ("sglang-0", "generator-0", "generator-cpu"))  # one layout per profile
+    for name, svc in services.items():
+        for dep in svc.get("depends_on", {}):
+            assert dep in services, f"profile gpu-tp2: {name} depends on {dep}, which is not started"

@@ -224,6 +224,9 @@ def generator_service(cfg: Config, worker: str, backend: Backend, *, owns_engine
 async def run_generator(cfg: Config, worker: str, *, gpus: GpuGroup | None = None,
                         stop: asyncio.Event | None = None) -> WorkStats:
     """The generator until SIGTERM/SIGINT (or `stop`); what its consumer did."""
+    from .calibrate import starting_config
+
+    cfg = await asyncio.to_thread(starting_config, cfg)  # the run's measured level, when it was calibrated
     generator = await serve(generator_service(cfg, worker, make_backend(cfg, gpus=gpus)), cfg, stop=stop)
     stats = generator.stats if generator is not None else WorkStats()
     log.info("generator %s stopped: %d acked, %d retried, %d dead-lettered, %d requeued", worker, stats.acked,

@@ -9,7 +9,8 @@ Training: once generation is done `dfpipe run` has stopped the generators, and w
 launched (an in-process hf engine, or an SGLang server a generator started), so the trainer takes every GPU
 of the run under torchrun (one rank per GPU, NCCL). Engines the user runs outside `dfpipe run` are not the
 pipeline's to stop: then training takes the GPUs the user names (`--train-gpus`), else the run's `--gpus`.
-On CPU, `layout.cpu_train_ranks` > 1 runs the same torchrun path with gloo ranks.
+On CPU (no `--gpus`, or `model.device = "cpu"`), `layout.cpu_train_ranks` > 1 runs the same torchrun path with
+gloo ranks.
 
 Out of scope: a target too large to sit whole on one training GPU (each rank holds the whole frozen
 target); `fit_problem` says so before the run starts instead of after days of generation.
@@ -73,7 +74,10 @@ def generator_argv(run: str, index: int, group: GpuGroup | None, url: str | None
 
 
 def training_gpus(cfg: Config, groups: list[GpuGroup | None]) -> list[int]:
-    """The GPUs the trainer gets: `layout.train_gpus` when set, else every GPU of the run's groups."""
+    """The GPUs the trainer gets: `layout.train_gpus` when set, else every GPU of the run's groups; none when the
+    model is pinned to the CPU (`model.device = "cpu"`: then `cpu_train_ranks` gloo ranks)."""
+    if cfg.model.device == "cpu":
+        return []
     if cfg.layout.train_gpus:
         return list(cfg.layout.train_gpus)
     return all_gpus([g for g in groups if g is not None])
