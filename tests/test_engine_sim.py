@@ -80,7 +80,7 @@ async def test_batching_fill_follows_concurrency_and_kv_pool_caps_it() -> None:
     with EngineSim("test-kv", compression=10) as sim:
         await drive(sim.url, 64, 150)
         stats = sim.stats()
-    assert stats.requests_retracted > 0 and stats.peak_running < 64 and steady_state(stats)["mean_running"] > 15
+    assert stats.requests_retracted > 0 and stats.peak_running < 64 and steady_state(stats)["mean_running"] < 32
 
 
 async def test_lengths_are_per_prompt_and_capped() -> None:
