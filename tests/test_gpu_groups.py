@@ -166,3 +166,20 @@ def test_compose_shows_a_tp2_layout() -> None:
     for name, svc in services.items():
         for dep in svc.get("depends_on", {}):
             assert dep in services, f"profile gpu-tp2: {name} depends on {dep}, which is not started"
+
+
+def test_dfpipe_run_refuses_a_layout_that_cannot_run_before_anything_starts(target: Path) -> None:
+    from services.pipeline.cli import _placed
+
+    cfg = config(target)
+    for argv, said in [(["--gpus", "0,1,2", "--tp", "2"], "do not split into groups of --tp 2"),
+                       (["--gpus", "0-1,2-3"], "hf backend runs one GPU per engine"),
+                       (["--gpus", "0,1", "--backend", "sglang", "--engine-urls", "http://a:1"], "1 engine URL"),
+                       (["--tp", "2"], "--tp 2 needs --gpus")]:
+        args = build_parser().parse_args(["run", "--run", "r1", *argv])
+        with pytest.raises(LayoutError, match=said):
+            _placed(cfg, args)
+    args = build_parser().parse_args(["run", "--run", "r1", "--gpus", "0,1,2,3", "--tp", "2", "--backend", "sglang",
+                                      "--launch", "--train-gpus", "0,1"])
+    placed, groups = _placed(cfg, args)
+    assert groups == parse_layout("0-1,2-3") and placed.generator.launch and placed.layout.train_gpus == [0, 1]

@@ -55,6 +55,26 @@ def _placed(cfg: Any, args: argparse.Namespace) -> tuple[Any, list[Any]]:
     return cfg, groups
 
 
+def _say_placement(cfg: Any, groups: list[Any], args: argparse.Namespace) -> None:
+    """Where the engines and the training go, said once at the start (and whose engines are whose)."""
+    from .layout import engines_launched, training_gpus
+
+    if not any(g is not None for g in groups):
+        return
+    tp = groups[0].tp
+    print(f"{len(groups)} engine(s) of {tp} GPU(s) each (" + ", ".join(g.visible_devices for g in groups) + ")"
+          + (f", tensor parallel {tp}" if tp > 1 else ""))
+    if args.no_train:
+        return
+    gpus = training_gpus(cfg, groups)
+    where = f"GPUs {','.join(map(str, gpus))} ({len(gpus)} rank(s))" if gpus else "the CPU"
+    if engines_launched(cfg, args.backend):
+        print(f"training: on {where} once generation is done and this run's engines are stopped")
+    else:
+        print(f"training: on {where}; the engines at {', '.join(cfg.layout.engine_urls) or cfg.generator.engine_url or 'the configured URL'} "
+              "are not this run's to stop: if they sit on those GPUs, name others with --train-gpus")
+
+
 def _run(args: argparse.Namespace) -> int:
     import msgspec
 
@@ -89,6 +109,7 @@ def _run(args: argparse.Namespace) -> int:
     except LayoutError as e:
         print(f"dfpipe run: {e}", file=sys.stderr)
         return Exit.USAGE
+    _say_placement(cfg, generators, args)
     for source in args.prompts or []:  # a missing file or bucket, refused credentials: said now, not as a crash loop
         try:
             check_source(source, cfg)
