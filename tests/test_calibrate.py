@@ -96,7 +96,7 @@ def test_calibrate_finds_the_simulated_engines_knee_and_plan_states_the_jobs_eta
     assert stored is not None and stored.engines[0].engine == sim.url
     e = stored.engines[0]
     assert abs(e.knee - best) <= 0.10 * best, describe(stored)  # the knee within 10% of the true best concurrency
-    assert [lv.concurrency for lv in e.levels][:5] == [8, 16, 32, 64, 128]
+    assert {8, 16, 32, 64, 128} <= {lv.concurrency for lv in e.levels}, describe(stored)  # doubled, then bisected
     assert 0 < e.peak_tokens_per_s <= peak * 1.10, (e.peak_tokens_per_s, peak)
     assert e.truncation_rate < 0.05 and e.completion_tokens.max <= 60
     assert f"knee {e.knee}" in out.stdout and Keys.calibration(run) in out.stdout
@@ -128,7 +128,7 @@ def test_calibrate_on_cpu_with_the_hf_backend(stack, stack_env, tmp_path: Path) 
     stored = load_calibration(Store.open(make_config(stack, run)), run)
     assert stored is not None and stored.backend == "hf"
     e = stored.engines[0]
-    assert e.engine.startswith("hf:") and [lv.concurrency for lv in e.levels][:3] == [1, 2, 4]
+    assert e.engine.startswith("hf:") and {1, 2, 4} <= {lv.concurrency for lv in e.levels}
     assert e.peak_tokens_per_s > 0 and 1 <= e.completion_tokens.max <= 8 and 0 <= e.truncation_rate <= 1
     assert e.truncation_rate > 0  # SmolLM2's answers run past 8 tokens: the cut share is reported, not hidden
     assert "truncated at max_new_tokens 8" in out.stdout
