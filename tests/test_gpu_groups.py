@@ -183,3 +183,13 @@ def test_dfpipe_run_refuses_a_layout_that_cannot_run_before_anything_starts(targ
                                       "--launch", "--train-gpus", "0,1"])
     placed, groups = _placed(cfg, args)
     assert groups == parse_layout("0-1,2-3") and placed.generator.launch and placed.layout.train_gpus == [0, 1]
+
+
+def test_the_engines_a_run_launches_are_the_ones_it_waits_for_before_training(target: Path) -> None:
+    from services.pipeline.layout import launched_engine_urls
+
+    groups = list(parse_layout("0,1,2,3", 2))
+    launched = config(target, generator={"backend": "sglang", "launch": True, "engine_url": "http://127.0.0.1:31000"})
+    assert launched_engine_urls(launched, groups, None) == ["http://127.0.0.1:31000", "http://127.0.0.1:31001"]
+    assert launched_engine_urls(config(target, generator={"backend": "sglang"}), groups, None) == []  # not ours
+    assert launched_engine_urls(config(target), [GpuGroup((0,))], "hf") == []  # the generator process is the engine

@@ -122,3 +122,15 @@ def test_two_groups_on_two_simulated_engines_then_two_gloo_ranks_matching_one_pr
         assert h2[step].samples_seen == h1[step].samples_seen, step
     # (1 process with grad_accum 1 would have taken twice the steps: the equal schedules are the 2 ranks at work)
     assert h2[len(h2)].checkpoint_key == Keys.checkpoint(run_two, len(h2))  # written once, by rank 0
+
+
+@pytest.mark.stack  # starts a simulated engine
+def test_training_waits_for_launched_engines_to_be_gone() -> None:
+    from bench.engine_sim import EngineSim
+    from services.pipeline.layout import engines_still_up
+
+    sim = EngineSim("test-small").start()
+    url = sim.url
+    assert asyncio.run(engines_still_up([url], deadline_s=0.3, poll_s=0.1)) == [url]  # still serving: said
+    sim.stop()
+    assert asyncio.run(engines_still_up([url], deadline_s=5.0, poll_s=0.1)) == []  # gone: training may start

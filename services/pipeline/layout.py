@@ -73,6 +73,36 @@ def generator_argv(run: str, index: int, group: GpuGroup | None, url: str | None
     return argv
 
 
+def launched_engine_urls(cfg: Config, groups: list[GpuGroup | None], backend: str | None) -> list[str]:
+    """The URLs of the SGLang servers this run's generators launch (none for hf: its engine is the process)."""
+    if (backend or cfg.generator.backend) != "sglang" or not cfg.generator.launch:
+        return []
+    return [u or cfg.generator.engine_url or DEFAULT_ENGINE_URL for u in engine_urls(cfg, groups, backend)]
+
+
+async def engines_still_up(urls: list[str], deadline_s: float, poll_s: float = 1.0) -> list[str]:
+    """Wait until none of `urls` answers (their servers are gone, their GPUs free); those still answering at the
+    deadline. A generator closes the server it launched; one killed at the end of its grace period cannot."""
+    import asyncio
+
+    import httpx
+
+    loop = asyncio.get_running_loop()
+    end = loop.time() + deadline_s
+    async with httpx.AsyncClient(timeout=2.0) as http:
+        while True:
+            up = []
+            for url in urls:
+                try:
+                    await http.get(url.rstrip("/") + "/health")
+                    up.append(url)
+                except httpx.TransportError:  # refused, reset, timed out: nobody serving there
+                    pass
+            if not up or loop.time() >= end:
+                return up
+            await asyncio.sleep(poll_s)
+
+
 def training_gpus(cfg: Config, groups: list[GpuGroup | None]) -> list[int]:
     """The GPUs the trainer gets: `layout.train_gpus` when set, else every GPU of the run's groups; none when the
     model is pinned to the CPU (`model.device = "cpu"`: then `cpu_train_ranks` gloo ranks)."""

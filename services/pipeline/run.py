@@ -30,7 +30,7 @@ from shared.status import RunOverview, RunStatus, run_overview, run_status
 from shared.store import Store
 from shared.topology import Keys, Subjects
 
-from .layout import engine_urls, generator_argv, trainer_spec
+from .layout import engine_urls, engines_still_up, generator_argv, launched_engine_urls, trainer_spec
 from .supervisor import ServiceSpec, ServiceState, Supervisor
 
 log = logging.getLogger("dflash.run")
@@ -176,6 +176,10 @@ async def run_pipeline(cfg: Config, request: RunRequest, *, env: dict[str, str],
                     if phase == "train":
                         if not request.train:
                             break
+                        if sup.state()["trainer"] == "pending" and (up := await engines_still_up(
+                                launched_engine_urls(cfg, request.generators, request.backend), 120.0)):
+                            print(f"engines this run launched still answer at {', '.join(up)}: training starts "
+                                  "beside them (stop them to free their GPUs)")
                         sup.launch("trainer")
                         state = sup.state()["trainer"]
                         if state == "done":
