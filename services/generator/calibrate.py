@@ -56,7 +56,7 @@ class Sweep:
 
     start: int = 1
     max_concurrency: int = 1024
-    rounds: int = 3  # requests per level = rounds × concurrency (a steady part needs at least one full round)
+    rounds: int = 3  # requests per level = rounds × concurrency: one round of ramp, one steady, one of drain
     min_requests: int = 8
     patience: int = 2  # levels in a row without a 5% rise before the sweep stops (one may be a noisy dip)
     refine: bool = True  # bisect the knee between the doubling levels
@@ -106,10 +106,9 @@ async def run_level(backend: Backend, prompts: list[list[ChatMessage]], concurre
         raise EngineError(f"all {requests} requests at concurrency {concurrency} failed")
     finishes = sorted(done, key=lambda d: d.end)
     a = min(concurrency, len(finishes)) - 1  # the ramp is over at the concurrency-th finish
-    b = max(a + 1, len(finishes) - concurrency)  # the drain starts after the concurrency-th from last
-    b = min(b, len(finishes) - 1)
-    window = finishes[b].end - finishes[a].end
-    if window > 0:
+    b = len(finishes) - concurrency - 1  # the last request starts at the (n - concurrency)-th finish: the drain
+    window = finishes[b].end - finishes[a].end if b > a else 0.0
+    if b - a >= max(2, concurrency // 2) and window > 0:  # a steady part of at least half a round
         tokens = sum(d.tokens for d in finishes[a + 1:b + 1])
     else:  # too few to have a steady part: the whole level
         window = max(1e-9, finishes[-1].end - min(d.start for d in done))
