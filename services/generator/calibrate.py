@@ -226,11 +226,11 @@ EngineLauncher = Callable[[Config, LayoutSpec, GpuGroup, int], Awaitable[Backend
 
 async def launch_sglang(cfg: Config, layout: LayoutSpec, group: GpuGroup, index: int) -> Backend:
     """The SGLang server `dfpipe generate --launch --gpus <group>` would start, with MTP flags for `+mtp`."""
-    from services.pipeline.layout import DEFAULT_ENGINE_URL, _with_port
+    from services.pipeline.layout import DEFAULT_ENGINE_URL, with_port
 
     g = cfg.generator
     args = [*g.launch_args, *(cfg.calibrate.mtp_args if layout.mtp else [])]
-    url = _with_port(g.engine_url or DEFAULT_ENGINE_URL, index)
+    url = with_port(g.engine_url or DEFAULT_ENGINE_URL, index)
     gen = msgspec.structs.replace(g, backend="sglang", launch=True, launch_args=args, engine_url=url)
     backend = make_backend(msgspec.structs.replace(cfg, generator=gen), gpus=group)
     await backend.start()

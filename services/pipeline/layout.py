@@ -37,7 +37,8 @@ def engines_launched(cfg: Config, backend: str | None) -> bool:
     return kind == "hf" or (kind == "sglang" and cfg.generator.launch)
 
 
-def _with_port(url: str, offset: int) -> str:
+def with_port(url: str, offset: int) -> str:
+    """`url` with its port advanced by `offset`: the i-th launched server of a host."""
     parts = urlparse(url)
     port = (parts.port or 30000) + offset
     return urlunparse(parts._replace(netloc=f"{parts.hostname}:{port}"))
@@ -53,7 +54,7 @@ def engine_urls(cfg: Config, groups: list[GpuGroup | None], backend: str | None)
         return list(given)
     if len(groups) > 1 and (backend or cfg.generator.backend) == "sglang" and cfg.generator.launch:
         base = cfg.generator.engine_url or DEFAULT_ENGINE_URL
-        return [_with_port(base, i) for i in range(len(groups))]
+        return [with_port(base, i) for i in range(len(groups))]
     return [None] * len(groups)
 
 
