@@ -165,7 +165,7 @@ def test_launch_compares_layouts_on_the_same_gpus_and_says_which_to_run(stack, s
 
     prompts, _ = sample_prompts([str(BUNDLED_PROMPTS)], cfg, 60)
     results = asyncio.run(compare_layouts(cfg, "0,1", parse_layouts("tp1,tp2"), prompts,
-                                          Sweep(start=8, max_concurrency=64), launcher, say=lambda _: None))
+                                          Sweep(start=16, max_concurrency=64), launcher, say=lambda _: None))
     assert launched == [("tp1", "0"), ("tp1", "1"), ("tp2", "0,1")]
     tp1, tp2 = results
     assert len(tp1.engines) == 2 and len(tp2.engines) == 1 and tp1.gpus == tp2.gpus == [0, 1]
