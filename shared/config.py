@@ -199,6 +199,40 @@ class DashboardConfig(Section):
     silent_after_s: float = 60.0  # a worker with no heartbeat for this long turns red
 
 
+class LayoutConfig(Section):
+    """How `dfpipe run` places engines and training on GPUs (shared/gpus.py: `--gpus`, `--tp`)."""
+
+    # The engines' URLs, one per GPU group in order (`dfpipe run --engine-urls`). Empty: generator.engine_url,
+    # whose port is advanced by the group's index when the generators launch their engines, so N servers on
+    # one host do not collide (30000, 30001, ...).
+    engine_urls: list[str] = []
+    # GPUs training runs on when the engines are not the pipeline's to stop (`--train-gpus`). Empty: every
+    # GPU of the run's groups, once the engines `dfpipe run` launched (or the hf generators) have stopped.
+    train_gpus: list[int] = []
+    # CPU-only runs: `dfpipe run` trains under torchrun with this many gloo ranks. Default 1 (one process):
+    # ranks on the same CPU share its cores, so more only pays on a machine with cores to spare.
+    cpu_train_ranks: int = 1
+
+
+class CalibrateConfig(Section):
+    """`dfpipe calibrate` (services/generator/calibrate.py) and what the run does with its result."""
+
+    # Prompts sampled from the run's own files: a few hundred give a completion-length mean within a few
+    # percent (lognormal-ish lengths, sd ~0.6 of the mean) and cover every level's requests with repeats.
+    sample: int = 300
+    # The sweep doubles concurrency until tokens/s stops rising 5%; this bounds it (SGLang's own
+    # max_running_requests rarely exceeds 1024 on one GPU).
+    max_concurrency: int = 1024
+    # `+mtp` layouts: the engine's speculative decoding with the model's own MTP heads, as SGLang's docs
+    # give it for MTP-enabled models ("Multi Token Prediction": EAGLE with 3 steps, top-k 1, 4 draft tokens).
+    mtp_args: list[str] = msgspec.field(default_factory=lambda: [
+        "--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
+        "--speculative-num-draft-tokens", "4"])
+    # A generator starts with the concurrency the run's calibration measured for its engine (its best level)
+    # instead of generator.max_inflight. Default on: a calibrated level is the engine's own measured peak.
+    start_generators: bool = True
+
+
 class Config(Section):
     run: str = "default"
     bus: BusConfig = msgspec.field(default_factory=BusConfig)
@@ -211,6 +245,8 @@ class Config(Section):
     tokenizer: TokenizerConfig = msgspec.field(default_factory=TokenizerConfig)
     trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
     dashboard: DashboardConfig = msgspec.field(default_factory=DashboardConfig)
+    layout: LayoutConfig = msgspec.field(default_factory=LayoutConfig)
+    calibrate: CalibrateConfig = msgspec.field(default_factory=CalibrateConfig)
 
 
 # Short names for the settings that deployments set most (compose, clusters, AWS).

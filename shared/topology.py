@@ -161,6 +161,11 @@ class Keys:
         return Keys.run(run) + "config.json"
 
     @staticmethod
+    def calibration(run: str) -> str:
+        """What `dfpipe calibrate` measured of the run's engines (JSON, shared/calibration.py)."""
+        return Keys.run(run) + "calibration.json"
+
+    @staticmethod
     def rejects(run: str) -> str:
         """The records the feeder refused, with reasons (JSON lines; one source's lines replaced per feed)."""
         return Keys.run(run) + "rejects.jsonl"

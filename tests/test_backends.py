@@ -29,6 +29,7 @@ import pytest
 from services.generator.backends import GenRequest, render_prompt
 from services.generator.backends.openai import OpenAIBackend
 from services.generator.backends.sglang import SGLangBackend, parse_generate_response
+from shared.gpus import GpuGroup
 from shared.messages import ChatMessage
 from shared.model import load_tokenizer
 from tests.conftest import make_config
@@ -210,7 +211,7 @@ async def test_sglang_real_server(stack, target_dir):
     port = free_port()
     cfg = make_config(stack, generator={"backend": "sglang", "engine_url": f"http://127.0.0.1:{port}", "launch": True},
                       sampling={"max_new_tokens": 16, "temperature": 0.0})
-    backend = SGLangBackend(cfg, gpu=0)
+    backend = SGLangBackend(cfg, gpus=GpuGroup((0,)))
     await backend.start()
     try:
         r = await backend.generate(GenRequest(prompt_id="g", messages=MSGS))

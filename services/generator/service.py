@@ -20,6 +20,7 @@ import time
 from shared.bus import Bus, ConsumerSpec, Delivery, WorkStats, consumer_for
 from shared.config import Config, fingerprint
 from shared.failures import Poison, Retry
+from shared.gpus import GpuGroup
 from shared.ledger import RunLedger
 from shared.messages import GeneratorProgress, PromptTask
 from shared.records import CompletionRecord
@@ -221,9 +222,13 @@ def generator_service(cfg: Config, worker: str, backend: Backend, *, owns_engine
     )
 
 
-async def run_generator(cfg: Config, worker: str, *, gpu: int | None = None, stop: asyncio.Event | None = None) -> WorkStats:
+async def run_generator(cfg: Config, worker: str, *, gpus: GpuGroup | None = None,
+                        stop: asyncio.Event | None = None) -> WorkStats:
     """The generator until SIGTERM/SIGINT (or `stop`); what its consumer did."""
-    generator = await serve(generator_service(cfg, worker, make_backend(cfg, gpu=gpu)), cfg, stop=stop)
+    from .calibrate import starting_config
+
+    cfg = await asyncio.to_thread(starting_config, cfg)  # the run's measured level, when it was calibrated
+    generator = await serve(generator_service(cfg, worker, make_backend(cfg, gpus=gpus)), cfg, stop=stop)
     stats = generator.stats if generator is not None else WorkStats()
     log.info("generator %s stopped: %d acked, %d retried, %d dead-lettered, %d requeued", worker, stats.acked,
              stats.retried, stats.dead_lettered, stats.requeued_on_shutdown)

@@ -27,12 +27,14 @@ from shared.bus import Bus
 from shared.config import Config, data_dir
 from shared.exits import Exit
 from shared.failures import Failure, classify, describe, retry_async
+from shared.gpus import GpuGroup
 from shared.ledger import RunLedger, generation_done, tokenization_done
 from shared.messages import Alert
 from shared.status import RunOverview, RunStatus, run_overview, run_status
 from shared.store import Store
 from shared.topology import Keys, Subjects
 
+from .layout import engine_urls, engines_still_up, generator_argv, launched_engine_urls, trainer_spec
 from .supervisor import ServiceSpec, ServiceState, Supervisor
 
 log = logging.getLogger("dflash.run")
@@ -46,7 +48,7 @@ class RunRequest:
     """What a user asks of `dfpipe run`: the prompts, the generators to start, and which extras to run."""
 
     prompts: list[str]
-    generators: list[int | None]  # one entry per generator: its GPU, or None on CPU
+    generators: list[GpuGroup | None]  # one entry per generator: its engine's GPU group, or None on CPU
     backend: str | None = None
     train: bool = True
     dashboard: bool = True
@@ -58,25 +60,20 @@ def cli_argv(*args: str) -> list[str]:
 
 
 def service_specs(cfg: Config, request: RunRequest) -> list[ServiceSpec]:
+    """The run's services; a layout that cannot run raises LayoutError (shared/gpus.py) before any starts."""
     run = cfg.run
     specs = [ServiceSpec("feeder", cli_argv("feed", *request.prompts, "--run", run), one_shot=True)]
-    for i, gpu in enumerate(request.generators):
-        argv = cli_argv("generate", "--run", run, "--worker", f"gen{i}")
-        if gpu is not None:
-            argv += ["--gpu", str(gpu)]
-        if request.backend:
-            argv += ["--backend", request.backend]
-        specs.append(ServiceSpec(f"generator-{i}", argv))
+    urls = engine_urls(cfg, request.generators, request.backend)
+    for i, (group, url) in enumerate(zip(request.generators, urls, strict=True)):
+        specs.append(ServiceSpec(f"generator-{i}", cli_argv(*generator_argv(run, i, group, url, request.backend,
+                                                                             cfg.generator.launch))))
     specs.append(ServiceSpec("tokenizer", cli_argv("tokenize", "--run", run)))
     if request.train:
-        # Started once tokenization is done: the step count is planned from the whole dataset. (A
-        # trainer started by hand or in compose may start early: later shards join its next pass, and its
-        # passes count as epochs once generation and tokenization are done.)
-        specs.append(ServiceSpec("trainer", cli_argv("train", "--run", run), one_shot=True, deferred=True))
+        specs.append(trainer_spec(cfg, request.generators))
     if request.dashboard:
         specs.append(ServiceSpec("dashboard", cli_argv("dashboard", "--run", run)))
     for s in specs:
-        s.env.update(request.extra_env)
+        s.env = {**request.extra_env, **s.env}  # a spec's own placement (CUDA_VISIBLE_DEVICES) wins
     return specs
 
 
@@ -223,6 +220,10 @@ async def run_pipeline(cfg: Config, request: RunRequest, *, env: dict[str, str],
                     if phase == "train":
                         if not request.train:
                             break
+                        if sup.state()["trainer"] == "pending" and (up := await engines_still_up(
+                                launched_engine_urls(cfg, request.generators, request.backend), 120.0)):
+                            print(f"engines this run launched still answer at {', '.join(up)}: training starts "
+                                  "beside them (stop them to free their GPUs)")
                         sup.launch("trainer")
                         state = sup.state()["trainer"]
                         if state == "done":

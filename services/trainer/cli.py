@@ -127,7 +127,25 @@ def _eval(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     from .cost import RunCost, format_cost
 
-    rate = args.tokens_per_s
+    rate, gpus, per, completion = args.tokens_per_s, args.gpus, "GPU", args.avg_completion_tokens
+    if args.calibration:
+        from shared.calibration import load_calibration
+        from shared.cli import load
+        from shared.store import Store
+
+        cfg = load(argparse.Namespace(config=args.config, run=args.calibration))
+        calibration = load_calibration(Store.open(cfg), cfg.run)
+        if calibration is None:
+            print(f"run {args.calibration} has no calibration: `dfpipe calibrate --run {args.calibration} --prompts ...`",
+                  file=sys.stderr)
+            return Exit.FAILED
+        gpus, per = args.engines or len(calibration.engines), "engine"
+        rate, completion = calibration.tokens_per_s_per_engine, calibration.mean_completion_tokens
+        eta = calibration.eta_s(args.samples, gpus)
+        print(f"calibrated (run {cfg.run}, {calibration.backend}, {calibration.prompts_sampled} prompts sampled"
+              + (f", layout {calibration.recommended}" if calibration.recommended else "") + f"): {args.samples:,} "
+              f"prompts × {completion:,.0f} tokens ÷ ({rate:,.1f} tokens/s × {gpus} engine(s)) = "
+              f"{eta / 86400:,.2f} days")
     if args.live_run:
         from shared.bus import Bus
         from shared.cli import load
@@ -148,9 +166,9 @@ def _plan(args: argparse.Namespace) -> int:
             print(f"no running generator in run {args.live_run}")
             return Exit.FAILED
         print(f"live: {n} generator(s) of run {args.live_run}, {rate:.1f} tok/s each on average")
-    p = RunCost(samples=args.samples, avg_tokens=args.avg_tokens, avg_completion_tokens=args.avg_completion_tokens
-             or args.avg_tokens, target_layers=args.layers, hidden=args.hidden, feature_layers=args.feature_layers,
-             gpus=args.gpus, tokens_per_s_per_gpu=rate, target_params_b=args.params_b, epochs=args.epochs)
+    p = RunCost(samples=args.samples, avg_tokens=args.avg_tokens, avg_completion_tokens=completion or args.avg_tokens,
+                target_layers=args.layers, hidden=args.hidden, feature_layers=args.feature_layers, gpus=gpus,
+                tokens_per_s_per_gpu=rate, target_params_b=args.params_b, epochs=args.epochs, per=per)
     print(json.dumps(p.report(), indent=2) if args.json else format_cost(p))
     return Exit.OK
 
@@ -184,5 +202,9 @@ def register(sub: Any, replay: Any) -> None:
     pl.add_argument("--params-b", type=float, default=27.0, help="target parameters, billions")
     pl.add_argument("--epochs", type=int, default=6)
     pl.add_argument("--live-run", default=None, help="take tokens/s per GPU from this run's live generators")
+    pl.add_argument("--calibration", default=None, metavar="RUN",
+                    help="take tokens/s per engine and the mean completion length from this run's `dfpipe calibrate`")
+    pl.add_argument("--engines", type=int, default=0, help="with --calibration: engines to plan for (default: as "
+                                                            "calibrated)")
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=_plan)

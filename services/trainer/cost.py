@@ -26,6 +26,7 @@ class RunCost:
     target_params_b: float = 0.0
     epochs: int = 6
     bytes_per_value: int = 2
+    per: str = "GPU"  # what `gpus` counts: "engine" when the rate is a calibrated engine's (a TP group's)
 
     def generation_seconds(self) -> float:
         return self.samples * self.avg_completion_tokens / (self.tokens_per_s_per_gpu * self.gpus)
@@ -51,7 +52,7 @@ def format_cost(p: RunCost) -> str:
     r = p.report()
     lines = [
         f"samples {p.samples:,} × ~{p.avg_tokens:,.0f} tokens (~{p.avg_completion_tokens:,.0f} generated)",
-        f"generation: {p.gpus} GPU(s) × {p.tokens_per_s_per_gpu:,.0f} tok/s → {r['generation_days']:.1f} days",
+        f"generation: {p.gpus} {p.per}(s) × {p.tokens_per_s_per_gpu:,.0f} tok/s → {r['generation_days']:.1f} days",
         f"offline hidden states: {p.feature_layers} layers × {p.hidden} × {p.bytes_per_value} B = "
         f"{r['offline_bytes_per_token']:,} B/token → {r['offline_tb']:.1f} TB",
         "online extraction: 0 B stored; one extra target forward per sample per epoch"

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 from shared.config import Config
+from shared.gpus import GpuGroup
 
 from .base import (
     Backend,
@@ -27,20 +28,21 @@ __all__ = ["Backend", "EngineError", "GenRequest", "GenResult", "PromptRefused",
            "make_backend", "render_prompt", "split_reasoning"]
 
 
-def make_backend(cfg: Config, *, gpu: int | None = None) -> Backend:
+def make_backend(cfg: Config, *, gpus: GpuGroup | None = None) -> Backend:
+    """The configured backend; `gpus`: the GPU group its engine runs on (None: CPU, or an engine not ours)."""
     kind = cfg.generator.backend
     if kind == "hf":
         from .hf import HFBackend
 
-        return HFBackend(cfg, gpu=gpu)
+        return HFBackend(cfg, gpus=gpus)
     if kind == "sglang":
         from .sglang import SGLangBackend
 
-        return SGLangBackend(cfg, gpu=gpu)
+        return SGLangBackend(cfg, gpus=gpus)
     if kind == "synthetic":
         from .synthetic import SyntheticBackend
 
-        return SyntheticBackend(cfg, gpu=gpu)
+        return SyntheticBackend(cfg, gpus=gpus)
     from .openai import OpenAIBackend
 
     return OpenAIBackend(cfg)

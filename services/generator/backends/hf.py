@@ -12,6 +12,7 @@ import threading
 from typing import Any
 
 from shared.config import Config
+from shared.gpus import GpuGroup, LayoutError
 from shared.service import startup_thread
 
 from .base import GenRequest, GenResult, PromptRefused, check_template, render_prompt, split_reasoning
@@ -24,12 +25,15 @@ BATCH_WAIT_S = 0.02
 class HFBackend:
     engine = "hf"
 
-    def __init__(self, cfg: Config, *, gpu: int | None = None) -> None:
+    def __init__(self, cfg: Config, *, gpus: GpuGroup | None = None) -> None:
         self.cfg = cfg
         self.model = cfg.model.target
         self.device = cfg.model.device
-        if gpu is not None:
-            self.device = f"cuda:{gpu}"
+        if gpus is not None:
+            if gpus.tp > 1:
+                raise LayoutError(f"GPUs {gpus.visible_devices}: the hf backend runs one GPU per engine; a group "
+                                  "(tensor parallelism) needs --backend sglang")
+            self.device = f"cuda:{gpus.gpus[0]}"
         self.batch_size = max(1, cfg.generator.batch_size)
         self._queue: asyncio.Queue[tuple[GenRequest, list[int], asyncio.Future[GenResult]]] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None

@@ -21,6 +21,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from shared.config import Config
+from shared.gpus import GpuGroup
 from shared.service import startup_thread
 
 from .base import GenRequest, GenResult, check_template, render_prompt, split_reasoning
@@ -61,9 +62,9 @@ def parse_generate_response(data: Any, prompt_tokens: int) -> GenResult:
 class SGLangBackend:
     engine = "sglang"
 
-    def __init__(self, cfg: Config, *, gpu: int | None = None) -> None:
+    def __init__(self, cfg: Config, *, gpus: GpuGroup | None = None) -> None:
         g = cfg.generator
-        self.cfg, self.gpu = cfg, gpu
+        self.cfg, self.gpus = cfg, gpus
         self.model = g.engine_model or cfg.model.target
         self.url = g.engine_url or "http://127.0.0.1:30000"
         self.client = EngineClient(self.url, g.request_timeout_s, g.max_inflight)
@@ -71,11 +72,20 @@ class SGLangBackend:
         self.tok: Any = None
 
     def launch_command(self) -> list[str]:
+        """The server for this worker's GPU group: tensor parallel over the whole group (`--tp-size`)."""
         from shared.model import resolve_target
 
         port = urlparse(self.url).port or 30000
+        tp = ["--tp-size", str(self.gpus.tp)] if self.gpus is not None else []
         return [sys.executable, "-m", "sglang.launch_server", "--model-path", str(resolve_target(self.cfg.model.target)),
-                "--host", "127.0.0.1", "--port", str(port), *self.cfg.generator.launch_args]
+                "--host", "127.0.0.1", "--port", str(port), *tp, *self.cfg.generator.launch_args]
+
+    def launch_env(self, base: dict[str, str]) -> dict[str, str]:
+        """The server's environment: `base` with `CUDA_VISIBLE_DEVICES` set to the group (its GPUs become 0..tp-1)."""
+        env = dict(base)
+        if self.gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = self.gpus.visible_devices
+        return env
 
     async def start(self) -> None:
         from shared.model import load_tokenizer
@@ -83,11 +93,9 @@ class SGLangBackend:
         self.tok = await startup_thread(load_tokenizer, self.cfg.model.target)
         check_template(self.tok, self.cfg.sampling.enable_thinking)
         if self.cfg.generator.launch:
-            env = dict(os.environ)
-            if self.gpu is not None:
-                env["CUDA_VISIBLE_DEVICES"] = str(self.gpu)
+            env = self.launch_env(dict(os.environ))
             cmd = self.launch_command()
-            log.info("launching %s", " ".join(cmd))
+            log.info("launching %s (CUDA_VISIBLE_DEVICES=%s)", " ".join(cmd), env.get("CUDA_VISIBLE_DEVICES", ""))
             self.proc = subprocess.Popen(cmd, env=env, start_new_session=True)
         await self.client.wait_ready("/health_generate", deadline_s=1800.0 if self.proc else 120.0)
 

@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from shared.config import Config
+from shared.gpus import GpuGroup
 from shared.service import startup_thread
 
 from .base import GenRequest, GenResult, check_template, render_prompt
@@ -39,7 +40,7 @@ def word_token_ids(tok: Any, limit: int = 4096) -> list[int]:
 class SyntheticBackend:
     engine = "synthetic"
 
-    def __init__(self, cfg: Config, *, gpu: int | None = None) -> None:
+    def __init__(self, cfg: Config, *, gpus: GpuGroup | None = None) -> None:
         g = cfg.generator
         if not 1 <= g.synthetic_min_tokens <= g.synthetic_max_tokens:
             raise ValueError(f"generator.synthetic_min_tokens ({g.synthetic_min_tokens}) must be >= 1 and <= "
