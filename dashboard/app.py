@@ -26,7 +26,7 @@ from dashboard.listener import Listener, Snapshot
 from shared.config import Config, ConfigError, load_config
 from shared.ledger import DurableCounts
 from shared.stack import connect_config
-from shared.view import RunView
+from shared.view import RunView, rate_text
 
 REFRESH_S = 2.0
 
@@ -100,7 +100,7 @@ def run_overview(rs: sv.RunState, view: RunView, now: float) -> None:
         col.metric(t.label, f"{t.done:,}{of}", help=t.source or None)
         fraction = max(0.0, min(1.0, t.done / t.total)) if t.total else 0.0
         pct = f"{100 * fraction:.1f}%" if t.total else "total unknown"
-        col.progress(fraction, text=f"{pct} · {t.rate_per_s:.2f} {t.unit}/s · ETA {sv.fmt_duration(t.eta_s)}")
+        col.progress(fraction, text=f"{pct} · {rate_text(t.rate_per_s, t.unit)} · ETA {sv.fmt_duration(t.eta_s)}")
     st.caption(f"rates over the last {view.rate_window_s:.0f}s ([view] rate_window_s)")
     if view.silent:
         ages = {f"{w.stage}/{w.worker}": w.age_s for w in view.workers}

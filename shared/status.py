@@ -74,7 +74,7 @@ def format_status(v: RunView) -> str:
     ]
     if v.tokenized_shards:
         lines.append(f"  tokenized   {v.tokenized_samples} samples kept of {v.tokenized_records} records, "
-                     f"{v.tokenized_shards}/{v.shards} shards, {rate_text(tok)}, ETA {duration(tok.eta_s)}")
+                     f"{v.tokenized_shards}/{v.shards} shards, {rate_text(tok.rate_per_s, tok.unit)}, ETA {duration(tok.eta_s)}")
         if v.dropped:
             lines.append("  dropped     " + ", ".join(f"{reason} {n}" for reason, n in v.dropped.items()))
     if v.training is not None:

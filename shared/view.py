@@ -176,7 +176,7 @@ class RunView(msgspec.Struct, kw_only=True):
 
 def window_rates(points: Sequence[tuple[float, int, int]], now: float, window_s: float) -> tuple[float, float] | None:
     """(count/s, amount/s) of cumulative (ts, count, amount) points over the window ending `now`; None when the
-    points cannot say (fewer than two, or only one in the window with none before it).
+    points cannot say (fewer than two, or all of them stamped after `now` by a clock ahead of this one).
 
     The value at the window's start is the last point before it (the counters move in steps); with no point
     before, the first point in it (its own increase happened at an unknown time before). No point in the
@@ -190,8 +190,6 @@ def window_rates(points: Sequence[tuple[float, int, int]], now: float, window_s:
     if i == len(points):
         return 0.0, 0.0
     base = points[i - 1] if i > 0 else points[i]
-    if i == 0 and len(points) - i < 2:
-        return None
     t0 = max(base[0], start)
     last = points[-1]
     if now <= t0:
@@ -312,8 +310,9 @@ def build_view(run: str, facts: LedgerFacts, latest: Iterable[Message], now: flo
     # feed: the manifest, once written (the feeder's own counter before)
     fed = v.total if facts.manifest_accepted is not None else sum(m.accepted for m in feeders)
     prompts = facts.manifest_accepted if facts.manifest_accepted is not None else (fed or None)
+    fed_all = facts.manifest_accepted is not None or (bool(feeders) and all(m.done for m in feeders))
     feed = StageView(stage="feed", label="fed", unit="prompts", done=fed, total=prompts, rate_per_s=0.0,
-                     eta_s=0.0 if facts.manifest_accepted is not None else None,
+                     eta_s=0.0 if fed_all else None,
                      source="the feed manifest" if facts.manifest_accepted is not None else "the feeder's counter")
 
     # generate: unique prompts in the run's shards; before the first shard, the generators' counters
@@ -373,11 +372,11 @@ def duration(s: float | None, unknown: str = "unknown") -> str:
     return f"{rem // 60}m{rem % 60:02d}s" if rem >= 60 else f"{rem}s"
 
 
-def rate_text(s: StageView) -> str:
-    """A stage's rate: per second, or per minute when under one a second."""
-    if s.rate_per_s >= 1 or s.rate_per_s == 0:
-        return f"{s.rate_per_s:.2f} {s.unit}/s"
-    return f"{60 * s.rate_per_s:.1f} {s.unit}/min"
+def rate_text(rate_per_s: float, unit: str) -> str:
+    """A rate as every view words it: per second, or per minute under 0.1 a second (19 steps/min, not 0.32/s)."""
+    if rate_per_s >= 0.1 or rate_per_s == 0:
+        return f"{rate_per_s:.2f} {unit}/s"
+    return f"{60 * rate_per_s:.1f} {unit}/min"
 
 
 def training_text(v: RunView) -> str:
@@ -388,7 +387,7 @@ def training_text(v: RunView) -> str:
     if t.loss is None:
         return t.state
     of = f" of {t.total_steps}" if t.total_steps else ""
-    return (f"step {t.step}{of}, loss {t.loss:.3f}, τ≈{t.estimated_tau:.2f}, {t.steps_per_s:.2f} steps/s, "
+    return (f"step {t.step}{of}, loss {t.loss:.3f}, τ≈{t.estimated_tau:.2f}, {rate_text(t.steps_per_s, 'steps')}, "
             f"ETA {duration(t.eta_s)}" + ("" if t.state in ("running", "done") else f" ({t.state})"))
 
 

@@ -132,10 +132,10 @@ def stage_lines(v: RunView, stages: StageCounts) -> list[StageLine]:
     return [
         StageLine("fed", feed.done, feed.total, f"{v.rejects} rejected" + ("" if stages.fed else " (feeding)")),
         StageLine("generated", gen.done, gen.total,
-                  f"{v.completion_tokens_per_s:.0f} tok/s, {rate_text(gen)}, ETA {duration(gen.eta_s)}, "
+                  f"{v.completion_tokens_per_s:.0f} tok/s, {rate_text(gen.rate_per_s, gen.unit)}, ETA {duration(gen.eta_s)}, "
                   f"dead {v.dead_lettered.get('generate', 0)}"),
         StageLine("tokenized", tok.done, tok.total,
-                  f"{v.tokenized_samples} samples, {rate_text(tok)}, ETA {duration(tok.eta_s)}"),
+                  f"{v.tokenized_samples} samples, {rate_text(tok.rate_per_s, tok.unit)}, ETA {duration(tok.eta_s)}"),
         StageLine("trained", train.done, train.total, training_text(v)),
     ]
 

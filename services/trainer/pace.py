@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from shared.config import ViewConfig
 from shared.messages import TrainerProgress
-from shared.view import duration
+from shared.view import duration, rate_text
 
 log = logging.getLogger("dflash.trainer")
 
@@ -60,4 +60,4 @@ class Pace:
 def progress_line(p: TrainerProgress) -> str:
     of = f" of {p.total_steps}" if p.total_steps else ""
     return (f"step {p.step}{of} (epoch {p.epoch}): loss {p.loss:.4f}, estimated τ {p.estimated_tau:.2f}, "
-            f"{p.steps_per_s:.2f} steps/s, ETA {duration(p.eta_s)}")
+            f"{rate_text(p.steps_per_s, 'steps')}, ETA {duration(p.eta_s)}")
