@@ -81,7 +81,7 @@ def format_status(v: RunView) -> str:
         lines.append(f"  trainer     {training_text(v)}")
     for w in v.workers:
         if w.stage == "generate":
-            lines.append(f"    {w.worker:<20} {w.state:<9} {w.completions:>8} done  {w.tokens_per_s:>8.1f} tok/s  "
+            lines.append(f"    {'generate/' + w.worker:<20} {w.state:<9} {w.completions:>8} done  {w.tokens_per_s:>8.1f} tok/s  "
                          f"in flight {w.in_flight:<4} errors {w.errors:<4} last seen {w.age_s}s ago")
         else:
             lines.append(f"    {w.stage + '/' + w.worker:<20} {w.state:<9} last seen {w.age_s}s ago")
