@@ -26,6 +26,7 @@ from dashboard.listener import Listener, Snapshot
 from shared.config import Config, ConfigError, load_config
 from shared.ledger import DurableCounts
 from shared.stack import connect_config
+from shared.view import RunView, rate_text
 
 REFRESH_S = 2.0
 
@@ -85,34 +86,34 @@ def stack_messages(snap: Snapshot, cfg: Config) -> None:
         st.info(f"Replaying progress history: {h.replay_pending:,} events to go …")
 
 
-def run_overview(rs: sv.RunState, now: float, manifest: dict[str, Any] | None, durable: DurableCounts | None,
-                 silent_after_s: float) -> None:
+def run_overview(rs: sv.RunState, view: RunView, now: float) -> None:
     st.header("Run overview")
-    totals = sv.stage_totals(rs, now, manifest, durable)
-    gen = totals[1]
+    gen = view.stage("generate")
     cols = st.columns(4)
     cols[0].metric("elapsed", sv.fmt_duration(sv.elapsed_s(rs, now)))
     cols[1].metric("generation ETA", sv.fmt_duration(gen.eta_s))
     cols[2].metric("completions/s", f"{gen.rate_per_s:.2f}")
     cols[3].metric("last event", f"{max(0.0, now - rs.last_ts):.0f}s ago")
     cols = st.columns(4)
-    for col, t in zip(cols, totals, strict=True):
+    for col, t in zip(cols, view.stages, strict=True):
         of = f" / {t.total:,}" if t.total is not None else ""
-        col.metric(t.label, f"{t.done:,}{of}", help=t.help or None)
-        pct = f"{100 * t.fraction:.1f}%" if t.total else "total unknown"
-        col.progress(t.fraction, text=f"{pct} · {t.rate_per_s:.2f}/s · ETA {sv.fmt_duration(t.eta_s)}")
-    silent = sv.silent_workers(rs, now, silent_after_s)
-    if silent:
-        names = ", ".join(f"{w.stage}/{w.worker} ({now - w.last_ts:.0f}s)" for w in silent)
-        st.error(f"Silent workers (no heartbeat for over {silent_after_s:.0f}s): {names}")
-    for a in sv.other_alerts(rs)[-5:]:
+        col.metric(t.label, f"{t.done:,}{of}", help=t.source or None)
+        fraction = max(0.0, min(1.0, t.done / t.total)) if t.total else 0.0
+        pct = f"{100 * fraction:.1f}%" if t.total else "total unknown"
+        col.progress(fraction, text=f"{pct} · {rate_text(t.rate_per_s, t.unit)} · ETA {sv.fmt_duration(t.eta_s)}")
+    st.caption(f"rates over the last {view.rate_window_s:.0f}s ([view] rate_window_s)")
+    if view.silent:
+        ages = {f"{w.stage}/{w.worker}": w.age_s for w in view.workers}
+        names = ", ".join(f"{name} ({ages[name]:.0f}s)" for name in view.silent)
+        st.error(f"Silent workers (no heartbeat for over {view.silent_after_s:.0f}s): {names}")
+    for a in [a for a in view.alerts if a.kind != "quality_gate"][-5:]:
         text = f"{a.stage} {a.kind}{' / ' + a.worker if a.worker else ''}: {a.message} ({_ts(a.ts)})"
         (st.error if a.severity == "critical" else st.warning)(text)
 
 
-def generators_panel(rs: sv.RunState, now: float, silent_after_s: float) -> None:
+def generators_panel(rs: sv.RunState, view: RunView) -> None:
     st.header("Generators")
-    rows = sv.generator_rows(rs, now, silent_after_s)
+    rows = sv.generator_rows(view)
     if not rows:
         st.caption("No generator has reported yet.")
         return
@@ -125,6 +126,10 @@ def generators_panel(rs: sv.RunState, now: float, silent_after_s: float) -> None
     styled = df.style.apply(lambda r: [red if r["health"] == "SILENT" else "" for _ in r], axis=1).format(
         {k: v for k, v in formats.items() if k in df.columns}, na_rep="—")
     st.dataframe(styled, hide_index=True, width="stretch")
+    engines = sv.engine_rows(view)
+    if engines:
+        st.caption("engines (fill = running ÷ the engine's batch limit)")
+        st.dataframe(pd.DataFrame(engines), hide_index=True, width="stretch")
     series = pd.DataFrame(sv.generator_series(rs))
     if len(series) > 1:
         series["time"] = pd.to_datetime(series["time"], unit="s")
@@ -172,19 +177,24 @@ def quality_panel(rs: sv.RunState, durable: DurableCounts | None) -> None:
                      hide_index=True)
 
 
-def trainer_panel(rs: sv.RunState) -> None:
+def trainer_panel(rs: sv.RunState, view: RunView) -> None:
     st.header("Trainer")
+    t = view.training
     series = pd.DataFrame(sv.trainer_series(rs))
-    if series.empty and not rs.evals:
+    if t is None and not rs.evals:
         st.caption("No trainer has reported yet.")
         return
+    if t is not None and t.loss is None:
+        st.caption(f"Trainer {t.worker}: {t.state}.")
+    elif t is not None:
+        cols = st.columns(6)
+        cols[0].metric("step", f"{t.step:,}", help=f"of {t.total_steps:,} planned" if t.total_steps else None)
+        cols[1].metric("loss", f"{t.loss:.4f}")
+        cols[2].metric("estimated τ", f"{t.estimated_tau:.2f}")
+        cols[3].metric("steps/s", f"{t.steps_per_s:.2f}")
+        cols[4].metric("training ETA", sv.fmt_duration(t.eta_s))
+        cols[5].metric("tokens/s", _num(round(t.tokens_per_s, 1)))
     if not series.empty:
-        last = series.iloc[-1]
-        cols = st.columns(4)
-        cols[0].metric("step", f"{int(last['step']):,}")
-        cols[1].metric("loss", f"{last['loss']:.4f}")
-        cols[2].metric("estimated τ", f"{last['estimated τ']:.2f}")
-        cols[3].metric("tokens/s", _num(round(last["tokens/s"], 1)))
         c1, c2 = st.columns(2)
         c1.caption("loss by step")
         c1.line_chart(series, x="step", y="loss", color="worker", height=220)
@@ -292,11 +302,11 @@ def main() -> None:
         manifest = snap.manifests.get(run)
         if "replay_result" in st.session_state:
             st.success(st.session_state.pop("replay_result"))
-        silent_after_s = cfg.dashboard.silent_after_s
-        run_overview(rs, now, manifest, snap.durable.get(run), silent_after_s)
-        generators_panel(rs, now, silent_after_s)
+        view = sv.run_view(rs, snap.facts.get(run), now, cfg.view)
+        run_overview(rs, view, now)
+        generators_panel(rs, view)
         quality_panel(rs, snap.durable.get(run))
-        trainer_panel(rs)
+        trainer_panel(rs, view)
         failures_panel(snap, run, listener)
         stack_health_panel(snap, cfg, manifest)
 

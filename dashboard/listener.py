@@ -34,6 +34,7 @@ from shared.ledger import DurableCounts, RunLedger
 from shared.messages import DeadLetter, ProgressMessage
 from shared.store import Store, StoreError
 from shared.topology import ANY, Keys, Subjects
+from shared.view import LedgerFacts, ledger_facts
 
 log = logging.getLogger("dflash.dashboard")
 
@@ -73,6 +74,7 @@ class Snapshot:
     manifests: dict[str, dict[str, Any]] = field(default_factory=dict)
     last_seq: int = 0
     durable: dict[str, DurableCounts] = field(default_factory=dict)  # per run: unique prompts and shards in S3
+    facts: dict[str, LedgerFacts] = field(default_factory=dict)  # per run: its ledger's facts, for its view
 
 
 class Listener:
@@ -100,7 +102,7 @@ class Listener:
             return Snapshot(
                 runs={run: rs.copy() for run, rs in s.runs.items()}, health=copy.copy(s.health),
                 dead_letters=list(s.dead_letters), lag=list(s.lag), manifests=dict(s.manifests), last_seq=s.last_seq,
-                durable=dict(s.durable),
+                durable=dict(s.durable), facts=dict(s.facts),
             )
 
     def replay_dead_letters(self, run: str, stage: str = "*", timeout_s: float = 60.0) -> int:
@@ -242,9 +244,11 @@ class Listener:
             if ledger is None:
                 ledger = self._ledgers[run] = RunLedger(msgspec.structs.replace(self.cfg, run=run), bus, self._store)
             ledger.bus, ledger.store = bus, ledger.store or self._store  # S3 may have come up since
-            counts = (await ledger.refresh()).counts()
+            await ledger.refresh()
+            facts = ledger_facts(ledger)
             with self._lock:
-                self._state.durable[run] = counts
+                self._state.durable[run] = facts.counts
+                self._state.facts[run] = facts
 
     async def _refresh_dead_letters(self) -> None:
         bus = self._bus

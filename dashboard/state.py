@@ -1,19 +1,19 @@
 """The dashboard's view model, folded from the real progress events: pure functions, no I/O.
 
 `RunState` is what the listener keeps per run (each worker's latest event and a bounded time
-series, alerts, checkpoints, eval reports); `apply` folds one event into it; the `*_view`
-functions turn a `RunState` into the rows and numbers the page shows. Counters in progress
-events are cumulative per worker, so a stage's total is the sum of its workers' latest values.
+series, alerts, checkpoints, eval reports); `apply` folds one event into it. The run's counts, rates,
+ETAs, silent workers and engines are its one view (`run_view`: `shared.view.build_view`, what `dfpipe
+status` and `dfpipe run` show too); the functions here only lay that view and the charts' series out.
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from shared.config import ViewConfig
 from shared.ledger import DurableCounts
 from shared.messages import (
     Alert,
@@ -24,9 +24,9 @@ from shared.messages import (
     TokenizerProgress,
     TrainerProgress,
 )
+from shared.view import LedgerFacts, RunView, build_view, empty_facts
 
 HISTORY_POINTS = 2000  # per worker; older points are thinned, so a 30-day run still fits
-RATE_WINDOW_S = 300.0  # rates and ETA from the last five minutes of counters
 STAGE_OF = {
     FeederProgress: "feed",
     GeneratorProgress: "generate",
@@ -34,7 +34,6 @@ STAGE_OF = {
     TrainerProgress: "train",
     EvalReport: "eval",
 }
-STOPPED_STATES = {"stopped", "done", "finished"}
 
 
 @dataclass
@@ -115,132 +114,44 @@ def workers_of(rs: RunState, stage: str) -> list[WorkerState]:
 # --- views -------------------------------------------------------------------------------------
 
 
-@dataclass
-class StageTotal:
-    stage: str
-    label: str
-    done: int
-    total: int | None  # None: unknown yet
-    rate_per_s: float
-    eta_s: float | None
-    help: str = ""  # where the number comes from, shown on hover
-
-    @property
-    def fraction(self) -> float:
-        if not self.total:
-            return 0.0
-        return max(0.0, min(1.0, self.done / self.total))
-
-
-def _counter_series(workers: list[WorkerState], value: Any) -> list[tuple[float, float]]:
-    """(ts, sum over workers) at each event: each worker contributes its latest value at that time."""
-    events = sorted(((m.ts, w.worker, m) for w in workers for m in w.history), key=lambda t: t[0])
-    current: dict[str, float] = {}
-    out = []
-    for ts, worker, m in events:
-        current[worker] = float(value(m))
-        out.append((ts, sum(current.values())))
-    return out
-
-
-def rate(workers: list[WorkerState], value: Any, now: float, window_s: float = RATE_WINDOW_S) -> float:
-    """Units per second of a summed cumulative counter over the last `window_s` seconds."""
-    return series_rate(_counter_series(workers, value), now, window_s)
-
-
-def series_rate(series: Sequence[tuple[float, float]], now: float, window_s: float = RATE_WINDOW_S) -> float:
-    """Units per second of a cumulative (ts, value) series over its last `window_s` seconds."""
-    if len(series) < 2:
-        return 0.0
-    end_ts, end_v = series[-1]
-    recent = [(t, v) for t, v in series if t >= min(now, end_ts) - window_s]
-    start_ts, start_v = recent[0] if len(recent) >= 2 else series[-2]
-    if end_ts - start_ts <= 0:
-        return 0.0
-    return max(0.0, (end_v - start_v) / (end_ts - start_ts))
-
-
-def _sum_latest(workers: list[WorkerState], value: Any) -> int:
-    return int(sum(value(w.latest) for w in workers))
-
-
-def stage_totals(rs: RunState, now: float, manifest: dict[str, Any] | None = None,
-                 durable: DurableCounts | None = None) -> list[StageTotal]:
-    """fed → generated → tokenized → trained, each against the stage before it (fed against the manifest).
-
-    Generated and tokenized come from the run's shard events (`durable`) once there are any: unique
-    prompts in S3, shards tokenized of shards written, exact through worker restarts and redeliveries.
-    Before the first shard, from the workers' progress counters.
-    """
-    feed, gen = workers_of(rs, "feed"), workers_of(rs, "generate")
-    tok, train = workers_of(rs, "tokenize"), workers_of(rs, "train")
-    fed = _sum_latest(feed, lambda m: m.accepted)
-    manifest_total = int(manifest["total_accepted"]) if manifest and "total_accepted" in manifest else None
-    prompts = manifest_total if manifest_total is not None else (fed or None)
-    trained = max((w.latest.samples_seen for w in train), default=0)
-
-    def eta(done: int, of: int | None, rate_s: float) -> float | None:
-        return (of - done) / rate_s if of is not None and rate_s > 0 and of >= done else None
-
-    exact = durable is not None and durable.shards > 0
-    source = ("from the run's shard events in S3" if exact else
-              "from the workers' counters until the first shard is written (a restart resets them)")
-    if exact:
-        generated, gen_rate = durable.completed, series_rate(durable.completed_points, now)
-        shards, tokenized, tok_rate = durable.shards, durable.tokenized_shards, series_rate(durable.tokenized_points, now)
-        kept = durable.kept
-    else:
-        generated, gen_rate = _sum_latest(gen, lambda m: m.completions), rate(gen, lambda m: m.completions, now)
-        shards, tokenized = _sum_latest(gen, lambda m: m.shards), _sum_latest(tok, lambda m: m.shards)
-        tok_rate, kept = rate(tok, lambda m: m.shards, now), _sum_latest(tok, lambda m: m.samples_kept)
-
-    out = []
-    r = rate(feed, lambda m: m.accepted, now)
-    out.append(StageTotal("feed", "fed", fed, prompts, r, eta(fed, prompts, r)))
-    out.append(StageTotal("generate", "generated", generated, prompts, gen_rate, eta(generated, prompts, gen_rate),
-                          f"unique prompts with a completion, {source}"))
-    of = shards or None
-    out.append(StageTotal("tokenize", "tokenized shards", tokenized, of, tok_rate, eta(tokenized, of, tok_rate),
-                          f"completion shards tokenized of those written, {source}"))
-    r = max((rate([w], lambda m: m.samples_seen, now) for w in train), default=0.0)
-    of = kept or None
-    out.append(StageTotal("train", "trained (samples seen)", trained, of, r, eta(trained, of, r)))
-    return out
+def run_view(rs: RunState, facts: LedgerFacts | None, now: float, cfg: ViewConfig) -> RunView:
+    """The run's one view (`shared.view`), from the ledger's facts and each worker's latest event: the page
+    renders it and computes none of those numbers itself."""
+    latest = [w.latest for w in rs.workers.values()]
+    return build_view(rs.run, facts or empty_facts(), latest, now, cfg)
 
 
 def elapsed_s(rs: RunState, now: float) -> float:
     return max(0.0, now - rs.first_ts) if rs.first_ts else 0.0
 
 
-def is_silent(ws: WorkerState, now: float, silent_after_s: float) -> bool:
-    """No heartbeat for `silent_after_s` while the worker still claimed to be running."""
-    m = ws.latest
-    finished = (isinstance(m, FeederProgress) and m.done) or getattr(m, "state", "running") in STOPPED_STATES
-    return not finished and not isinstance(m, EvalReport) and now - m.ts > silent_after_s
-
-
-def silent_workers(rs: RunState, now: float, silent_after_s: float) -> list[WorkerState]:
-    return [w for w in rs.workers.values() if is_silent(w, now, silent_after_s)]
-
-
-def generator_rows(rs: RunState, now: float, silent_after_s: float) -> list[dict[str, Any]]:
+def generator_rows(view: RunView) -> list[dict[str, Any]]:
     rows = []
-    for w in workers_of(rs, "generate"):
-        m: GeneratorProgress = w.latest  # type: ignore[assignment]
+    for w in view.workers:
+        if w.stage != "generate":
+            continue
         rows.append({
             "worker": w.worker,
-            "state": m.state,
-            "completions": m.completions,
-            "prompt tok/s": round(m.prompt_tokens_per_s, 1),
-            "completion tok/s": round(m.completion_tokens_per_s, 1),
-            "in flight": m.in_flight,
-            "errors": m.errors,
-            "shards": m.shards,
-            "spec accept": m.spec_accept_length,
-            "last heartbeat": f"{max(0.0, now - m.ts):.0f}s ago",
-            "silent": is_silent(w, now, silent_after_s),
+            "state": w.state,
+            "completions": w.completions,
+            "prompt tok/s": round(w.prompt_tokens_per_s, 1),
+            "completion tok/s": round(w.tokens_per_s, 1),
+            "in flight": w.in_flight,
+            "concurrency": w.concurrency,
+            "errors": w.errors,
+            "shards": w.shards,
+            "spec accept": w.spec_accept_length,
+            "last heartbeat": f"{w.age_s:.0f}s ago",
+            "silent": w.silent,
         })
     return rows
+
+
+def engine_rows(view: RunView) -> list[dict[str, Any]]:
+    """One row per inference engine: how full its generators keep it."""
+    return [{"engine": e.engine, "generators": ", ".join(e.generators), "running": e.running,
+             "max running": e.max_running, "fill": None if e.fill is None else f"{100 * e.fill:.0f}%",
+             "queued": e.queued, "tok/s": e.tokens_per_s, "concurrency": e.concurrency} for e in view.engines]
 
 
 def generator_series(rs: RunState) -> list[dict[str, Any]]:
@@ -250,6 +161,10 @@ def generator_series(rs: RunState) -> list[dict[str, Any]]:
          "completion tok/s": m.completion_tokens_per_s}
         for w in workers_of(rs, "generate") for m in w.history
     ]
+
+
+def _sum_latest(workers: list[WorkerState], value: Any) -> int:
+    return int(sum(value(w.latest) for w in workers))
 
 
 def finish_reasons(rs: RunState) -> tuple[dict[str, int], float]:
@@ -301,10 +216,12 @@ def quality_view(rs: RunState, durable: DurableCounts | None = None) -> QualityV
 
 
 def trainer_series(rs: RunState) -> list[dict[str, Any]]:
+    """Loss and τ by step; a report before the first step (the 'starting'/'waiting for data' placeholder, loss 0
+    and τ 0) is no data point."""
     return [
         {"worker": w.worker, "step": m.step, "loss": m.loss, "estimated τ": m.estimated_tau,
          "tokens/s": m.tokens_per_s, "time": m.ts}
-        for w in workers_of(rs, "train") for m in w.history  # type: ignore[union-attr]
+        for w in workers_of(rs, "train") for m in w.history if m.step > 0  # type: ignore[union-attr]
     ]
 
 

@@ -196,7 +196,19 @@ class TrainerConfig(Section):
 class DashboardConfig(Section):
     host: str = "127.0.0.1"
     port: int = 8501
-    silent_after_s: float = 60.0  # a worker with no heartbeat for this long turns red
+
+
+class ViewConfig(Section):
+    """How every view of a run (`dfpipe status`, `dfpipe run`'s display, the dashboard: `shared.view`) judges it."""
+
+    # Rates and ETAs over the last five minutes: several completion shards even at a modest rate, short
+    # enough that a slowdown shows within minutes.
+    rate_window_s: float = 300.0
+    # A worker with no progress report for a minute is silent (not counted in rates): six missed heartbeats of
+    # the slowest reporter (the trainer's, every 10 s); a generator reports every 3 s.
+    silent_after_s: float = 60.0
+    # The trainer logs one progress line (step of total, loss, τ, steps/s, ETA) this often.
+    log_every_s: float = 30.0
 
 
 class LayoutConfig(Section):
@@ -247,6 +259,7 @@ class Config(Section):
     dashboard: DashboardConfig = msgspec.field(default_factory=DashboardConfig)
     layout: LayoutConfig = msgspec.field(default_factory=LayoutConfig)
     calibrate: CalibrateConfig = msgspec.field(default_factory=CalibrateConfig)
+    view: ViewConfig = msgspec.field(default_factory=ViewConfig)
 
 
 # Short names for the settings that deployments set most (compose, clusters, AWS).
@@ -269,6 +282,10 @@ ENV_NOT_CONFIG = {
     "DFLASH_DASHBOARD_PASSWORD",
     "DFLASH_LOG_LEVEL",
 }
+
+
+# Keys that moved, old -> new: a config that still sets the old one is told the new name.
+MOVED_KEYS: dict[tuple[str, ...], tuple[str, ...]] = {("dashboard", "silent_after_s"): ("view", "silent_after_s")}
 
 
 def _parse_env_value(raw: str) -> Any:
@@ -313,6 +330,8 @@ def _describe(err: msgspec.ValidationError, source: str, toml_text: str = "") ->
     if msg.startswith("Object contains unknown field"):
         field = msg.split("`")[1]
         key = f"{where}.{field}" if where else field
+        if (moved := MOVED_KEYS.get(tuple(key.split(".")))) is not None:
+            return f"{source}{_line_of(toml_text, key)}: config key {key!r} is now {'.'.join(moved)!r}"
         return f"{source}{_line_of(toml_text, key)}: unknown config key {key!r}"
     return f"{source}{_line_of(toml_text, where)}: config key {where or '(root)'!r}: {msg}"
 

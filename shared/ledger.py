@@ -22,7 +22,8 @@ Size and memory: unique prompts are stable 64-bit hashes (`prompt_hash`: a chanc
 as it is by the reader that loads it; the prompts folded since are a Python set (~70 bytes per prompt: one
 lookup per id keeps the fold fast); per completion shard its key, per tokenized shard its numbers (~150
 bytes each); per generator worker three totals (a restarted generator counts on from them); alerts within
-PROGRESS's retention; 512 rate points per counter. All of it grows linearly with the run and none of it per
+PROGRESS's retention; 512 rate points per stage (the history a fresh `dfpipe status` takes its rates over the
+view's window from: `shared.view`). All of it grows linearly with the run and none of it per
 token; bench/ledger.py measures it at 914K prompts.
 """
 
@@ -47,9 +48,9 @@ from shared.topology import ANY, Keys, Subjects
 
 log = logging.getLogger("dflash.ledger")
 
-SCHEMA = 2  # the snapshot's layout; a snapshot of any other is rebuilt from the logs
+SCHEMA = 3  # the snapshot's layout; a snapshot of any other is rebuilt from the logs (3: points carry a second total)
 MAGIC = b"dflash-ledger\n"
-POINTS = 512  # (ts, count) points kept per counter for rates: minutes of history at any shard rate
+POINTS = 512  # (ts, count, amount) points kept per stage for rates: minutes of history at any shard rate
 SNAPSHOT_AFTER_EVENTS = 2000  # a reader that folded this many events since the last snapshot writes one...
 SNAPSHOT_EVERY_S = 30.0  # ...at most this often
 
@@ -137,8 +138,9 @@ class DurableCounts:
     shards: int  # completion shards
     tokenized_shards: int  # completion shards with a tokenized shard
     kept: int  # training samples in the latest tokenized shard of each completion shard
-    completed_points: tuple[tuple[float, int], ...]  # (event ts, completed) per shard, the latest POINTS
-    tokenized_points: tuple[tuple[float, int], ...]  # (event ts, tokenized_shards)
+    # (event ts, completed, completion tokens) per completion shard, the latest POINTS
+    completed_points: tuple[tuple[float, int, int], ...]
+    tokenized_points: tuple[tuple[float, int, int], ...]  # (event ts, tokenized_shards, samples kept)
     # Data quality over the same latest tokenized shards: records in, supervised tokens kept, drops by reason,
     # supervised tokens per sample (bucket -> samples), token-exact records whose text re-tokenizes otherwise.
     samples_in: int = 0
@@ -180,8 +182,8 @@ class _Snapshot(msgspec.Struct, kw_only=True):
     shard_keys: list[str]
     workers: dict[str, WorkerTotals]
     tokenized: list[tuple[str, TokenizedEntry]]  # completion shard key -> its latest tokenized shard
-    completed_points: list[tuple[float, int]]
-    tokenized_points: list[tuple[float, int]]
+    completed_points: list[tuple[float, int, int]]
+    tokenized_points: list[tuple[float, int, int]]
     alerts: list[tuple[int, Alert]]  # (PROGRESS sequence, alert), in stream order
 
 
@@ -209,8 +211,9 @@ class Ledger:
         self.tokenized_in_shards = 0  # of self.tokenized, those whose completion shard is in shard_keys
         self.tokenized_samples_in_shards = 0
         self._quality = _QualityTotals()  # summed over self.tokenized, kept current event by event
-        self.completed_points: deque[tuple[float, int]] = deque(maxlen=POINTS)
-        self.tokenized_points: deque[tuple[float, int]] = deque(maxlen=POINTS)
+        self.completion_tokens = 0  # summed over the completion shards
+        self.completed_points: deque[tuple[float, int, int]] = deque(maxlen=POINTS)
+        self.tokenized_points: deque[tuple[float, int, int]] = deque(maxlen=POINTS)
         self.alerts: deque[tuple[int, Alert]] = deque()  # (PROGRESS seq, alert) still in the stream
 
     @property
@@ -229,7 +232,8 @@ class Ledger:
             mine.completion_tokens += event.completion_tokens
             mine.shards += 1
             self.prompts.update(prompt_hashes(event.prompt_ids))
-            self.completed_points.append((event.ts, self.completed))
+            self.completion_tokens += event.completion_tokens
+            self.completed_points.append((event.ts, self.completed, self.completion_tokens))
             tokenized = self.tokenized.get(event.key)
             if tokenized is not None:  # its tokenized shard came first (the streams are read one by one)
                 self.tokenized_in_shards += 1
@@ -251,7 +255,7 @@ class Ledger:
             if in_shards:
                 self.tokenized_samples_in_shards += entry.num_samples
             if previous is None:
-                self.tokenized_points.append((event.ts, len(self.tokenized)))
+                self.tokenized_points.append((event.ts, len(self.tokenized), self._quality.kept))
         elif isinstance(event, Alert):
             self.alerts.append((seq, event))
 
@@ -311,6 +315,7 @@ class Ledger:
         ledger.prompts = PromptSet(prompts)
         ledger.shard_keys = set(snap.shard_keys)
         ledger.workers = dict(snap.workers)
+        ledger.completion_tokens = sum(w.completion_tokens for w in ledger.workers.values())
         ledger.tokenized = dict(snap.tokenized)
         for source, entry in ledger.tokenized.items():
             ledger._quality.add(entry, 1)

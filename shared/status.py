@@ -1,16 +1,15 @@
 """`dfpipe status --run R`: where a run stands, rebuilt from the bus and S3 alone (no service state needed).
 
-The run's durable facts (completed = unique prompt_ids in its ShardWritten log, tokenized shards, data
-quality, dead letters, alerts, the feed manifest) and the prompts in flight / queued come from its ledger
-(`shared.ledger.RunLedger`: a snapshot plus the events since, and the generate consumer's queue); rates
-from each worker's latest progress event (workers silent for over two minutes are listed but not counted).
+What it shows is the run's one view (`shared.view.build_view`: counts, rates over `[view] rate_window_s`,
+ETA per stage, silent workers, alerts, engines), the same numbers `dfpipe run`'s display and the dashboard
+show; this module reads it (the run's ledger: a snapshot plus the events since) and renders it as text or
+JSON (`--json`: the `RunView` itself, with its `schema` version).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,140 +19,88 @@ from shared.bus import Bus
 from shared.config import Config
 from shared.exits import Exit
 from shared.ledger import RunLedger, StageCounts
-from shared.messages import Alert, GeneratorProgress, Message, TrainerProgress
+from shared.messages import Alert
 from shared.store import Store
-from shared.topology import ANY, Subjects
+from shared.view import RunView, duration, rate_text, read_view, training_text
 
-SILENT_S = 120.0
-
-
-class RunStatus(msgspec.Struct, kw_only=True):
-    run: str
-    total: int = 0  # accepted by the feeder (manifest)
-    rejects: int = 0
-    completed: int = 0  # unique prompt_ids in completion shards
-    completion_records: int = 0  # including duplicates from redeliveries
-    shards: int = 0
-    in_flight: int = 0  # delivered, not acked
-    queued: int = 0  # not yet delivered
-    failed: int = 0  # engine/S3 errors reported by generators (each retried)
-    dead_lettered: dict[str, int] = {}
-    completion_tokens_per_s: float = 0.0
-    completions_per_s: float = 0.0
-    eta_s: float | None = None
-    workers: list[dict[str, Any]] = []
-    alerts: list[Alert] = []
-    tokenized_samples: int = 0  # in the latest tokenized shard of each completion shard
-    tokenized_shards: int = 0
-    tokenized_records: int = 0  # completion records those shards were built from
-    dropped: dict[str, int] = {}  # records not kept, by reason (duplicates included)
-    trainer_step: int | None = None
+RunStatus = RunView  # the name callers knew it by
 
 
-async def run_status(cfg: Config, bus: Bus, store: Store | None, ledger: RunLedger | None = None) -> RunStatus:
+async def run_status(cfg: Config, bus: Bus, store: Store | None, ledger: RunLedger | None = None) -> RunView:
     """`ledger`: the caller's RunLedger, kept between calls so that each folds only what is new (without
     one, a fresh ledger starts from the snapshot)."""
-    return (await _read(cfg, bus, store, ledger))[0]
-
-
-async def _read(cfg: Config, bus: Bus, store: Store | None,
-                ledger: RunLedger | None) -> tuple[RunStatus, RunLedger, TrainerProgress | None]:
-    """The status, the refreshed ledger it came from, and the trainer's latest progress."""
-    run = cfg.run
-    st = RunStatus(run=run)
-    ledger = ledger or RunLedger(cfg, bus, store)
-    fold = await ledger.refresh()
-    if ledger.manifest is not None:
-        st.total = int(ledger.manifest.get("total_accepted", 0))
-        st.rejects = int(ledger.manifest.get("total_rejected", 0))
-    counts = fold.counts()
-    st.tokenized_samples, st.tokenized_shards, st.tokenized_records = counts.kept, counts.tokenized_shards, counts.samples_in
-    st.dropped = dict(sorted(counts.dropped.items(), key=lambda kv: -kv[1]))
-    st.completed, st.shards, st.completion_records = counts.completed, counts.shards, counts.records
-    st.in_flight, st.queued = ledger.in_flight, ledger.queued
-    st.dead_lettered = dict(ledger.dead_lettered)
-    now = time.time()
-    trainer = None
-    latest: list[tuple[int, Message]] = await bus.latest_per_subject("PROGRESS", Subjects.progress(run, ANY, ANY))
-    for _, p in latest:
-        age = now - p.ts
-        if isinstance(p, GeneratorProgress):
-            live = age < SILENT_S and p.state != "stopped"
-            st.workers.append({"worker": p.worker, "completions": p.completions, "tokens_per_s": p.completion_tokens_per_s,
-                               "in_flight": p.in_flight, "errors": p.errors, "state": p.state if live or
-                               p.state == "stopped" else "silent", "age_s": round(age, 1)})
-            st.failed += p.errors
-            if live:
-                st.completion_tokens_per_s += p.completion_tokens_per_s
-                st.completions_per_s += p.completions_per_s
-        elif isinstance(p, TrainerProgress):
-            st.trainer_step = max(st.trainer_step or 0, p.step)
-            if trainer is None or p.step > trainer.step:
-                trainer = p
-    remaining = max(0, st.total - st.completed)
-    if remaining == 0 and st.total:
-        st.eta_s = 0.0
-    elif st.completions_per_s > 0:
-        st.eta_s = remaining / st.completions_per_s
-    st.alerts = fold.latest_alerts()
-    return st, ledger, trainer
+    return await read_view(cfg, bus, ledger or RunLedger(cfg, bus, store))
 
 
 @dataclass
 class RunOverview:
-    """What `dfpipe run` shows and moves its phases by: the status, the stage numbers (`generation_done`,
-    `tokenization_done` in shared.ledger), the tokenized samples, the trainer's latest progress, alerts."""
+    """What `dfpipe run` shows and moves its phases by: the view, and the stage numbers (`generation_done`,
+    `tokenization_done` in shared.ledger)."""
 
-    status: RunStatus
+    view: RunView
     stages: StageCounts
-    tokenized_samples: int
-    trainer: TrainerProgress | None
-    alerts: list[Alert]
+    tokenized_samples: int  # in the tokenized shards of the run's completion shards (what training will read)
+
+    @property
+    def status(self) -> RunView:
+        return self.view
+
+    @property
+    def alerts(self) -> list[Alert]:
+        return self.view.alerts
 
 
 async def run_overview(cfg: Config, bus: Bus, store: Store, ledger: RunLedger | None = None) -> RunOverview:
     """`ledger` as for `run_status`: a caller that polls keeps one."""
-    st, ledger, trainer = await _read(cfg, bus, store, ledger)
-    fold = ledger.ledger
-    assert fold is not None
-    return RunOverview(status=st, stages=ledger.stages(), tokenized_samples=fold.tokenized_samples_in_shards,
-                       trainer=trainer, alerts=st.alerts)
+    ledger = ledger or RunLedger(cfg, bus, store)
+    view = await read_view(cfg, bus, ledger)
+    assert ledger.ledger is not None
+    return RunOverview(view=view, stages=ledger.stages(), tokenized_samples=ledger.ledger.tokenized_samples_in_shards)
 
 
-def _duration(s: float | None) -> str:
-    if s is None:
-        return "unknown (no live generator)"
-    h, rem = divmod(int(s), 3600)
-    return f"{h}h{rem // 60:02d}m" if h else f"{rem // 60}m{rem % 60:02d}s"
-
-
-def format_status(st: RunStatus) -> str:
-    pct = f" ({100 * st.completed / st.total:.1f}%)" if st.total else ""
+def format_status(v: RunView) -> str:
+    gen, tok = v.stage("generate"), v.stage("tokenize")
+    pct = f" ({100 * v.completed / v.total:.1f}%)" if v.total else ""
     lines = [
-        f"run {st.run}",
-        f"  prompts     {st.total} accepted, {st.rejects} rejected",
-        f"  completed   {st.completed}{pct} unique in {st.shards} shards ({st.completion_records} records)",
-        f"  in flight   {st.in_flight}   queued {st.queued}   failed attempts {st.failed}",
-        f"  dead letters {sum(st.dead_lettered.values())}"
-        + (" (" + ", ".join(f"{k} {v}" for k, v in sorted(st.dead_lettered.items())) + ")" if st.dead_lettered else ""),
-        f"  rate        {st.completion_tokens_per_s:.1f} completion tokens/s, {st.completions_per_s:.2f} prompts/s",
-        f"  ETA         {_duration(st.eta_s)}",
+        f"run {v.run}",
+        f"  prompts     {v.total} accepted, {v.rejects} rejected",
+        f"  completed   {v.completed}{pct} unique in {v.shards} shards ({v.completion_records} records)",
+        f"  in flight   {v.in_flight}   queued {v.queued}   failed attempts {v.failed}",
+        f"  dead letters {sum(v.dead_lettered.values())}"
+        + (" (" + ", ".join(f"{k} {n}" for k, n in sorted(v.dead_lettered.items())) + ")" if v.dead_lettered else ""),
+        f"  rate        {v.completion_tokens_per_s:.1f} completion tokens/s, {v.completions_per_s:.2f} prompts/s "
+        f"(last {v.rate_window_s:.0f}s)",
+        f"  ETA         {duration(gen.eta_s, 'unknown (no rate yet)')}",
     ]
-    if st.tokenized_shards:
-        lines.append(f"  tokenized   {st.tokenized_samples} samples kept of {st.tokenized_records} records, "
-                     f"{st.tokenized_shards}/{st.shards} shards")
-        if st.dropped:
-            lines.append("  dropped     " + ", ".join(f"{reason} {n}" for reason, n in st.dropped.items()))
-    if st.trainer_step is not None:
-        lines.append(f"  trainer     step {st.trainer_step}")
-    for w in st.workers:
-        lines.append(f"    {w['worker']:<20} {w['state']:<9} {w['completions']:>8} done  {w['tokens_per_s']:>8.1f} tok/s  "
-                     f"in flight {w['in_flight']:<4} errors {w['errors']:<4} last seen {w['age_s']}s ago")
-    for a in st.alerts:
+    if v.tokenized_shards:
+        lines.append(f"  tokenized   {v.tokenized_samples} samples kept of {v.tokenized_records} records, "
+                     f"{v.tokenized_shards}/{v.shards} shards, {rate_text(tok.rate_per_s, tok.unit)}, ETA {duration(tok.eta_s)}")
+        if v.dropped:
+            lines.append("  dropped     " + ", ".join(f"{reason} {n}" for reason, n in v.dropped.items()))
+    if v.training is not None:
+        lines.append(f"  trainer     {training_text(v)}")
+    for w in v.workers:
+        if w.stage == "generate":
+            lines.append(f"    {'generate/' + w.worker:<20} {w.state:<9} {w.completions:>8} done  {w.tokens_per_s:>8.1f} tok/s  "
+                         f"in flight {w.in_flight:<4} errors {w.errors:<4} last seen {w.age_s}s ago")
+        else:
+            lines.append(f"    {w.stage + '/' + w.worker:<20} {w.state:<9} last seen {w.age_s}s ago")
+    for e in v.engines:
+        fill = f"{100 * e.fill:.0f}%" if e.fill is not None else "?"
+        tps = f"{e.tokens_per_s:.0f}" if e.tokens_per_s is not None else "?"
+        lines.append(f"  engine      {e.engine}: running {_n(e.running)}/{_n(e.max_running)} (fill {fill}), queued "
+                     f"{_n(e.queued)}, {tps} tok/s, concurrency {e.concurrency} from {', '.join(e.generators)}")
+    if v.silent:
+        lines.append(f"  SILENT      {', '.join(v.silent)} (no report for over {v.silent_after_s:.0f}s)")
+    for a in v.alerts:
         lines.append(f"  ALERT [{a.severity}] {a.stage}/{a.kind}: {a.message}")
         for ex in a.examples[:3]:
             lines.append(f"      e.g. {ex[:160]!r}")
     return "\n".join(lines)
+
+
+def _n(x: Any) -> str:
+    return "?" if x is None else str(x)
 
 
 async def _status(args: argparse.Namespace) -> int:

@@ -36,7 +36,9 @@ class RunEvents:
     tokenized: int = 0  # the tokenizer's `samples_in`
     kept: int = 0  # samples in the latest tokenized shard of each completion shard
     kept_counted: int = 0  # the tokenizer's `samples_kept`
-    trained: int = 0
+    trained: int = 0  # the trainer's samples_seen
+    step: int = 0
+    total_steps: int = 0
     checkpoint_key: str = ""
 
 
@@ -54,8 +56,10 @@ def initial_events(run: str, now: float | None = None) -> tuple[list[tuple[str, 
                            finish_reasons={"stop": 19, "length": 1}, ts=now - 60)),
         (Subjects.progress(run, "generate", "gpu0"),
          GeneratorProgress(run=run, worker="gpu0", completions=40, prompt_tokens=4000, completion_tokens=8000,
-                           prompt_tokens_per_s=100.0, completion_tokens_per_s=200.0, in_flight=8, errors=1,
-                           shards=2, finish_reasons={"stop": 36, "length": 4}, ts=now - 2)),
+                           prompt_tokens_per_s=100.0, completion_tokens_per_s=200.0, completions_per_s=0.35,
+                           in_flight=8, errors=1, shards=2, finish_reasons={"stop": 36, "length": 4},
+                           engine="http://gpu0:30000", engine_running=24, engine_queued=3, engine_max_running=32,
+                           engine_tokens_per_s=1800.0, concurrency=27, ts=now - 2)),
         (Subjects.progress(run, "generate", SILENT_WORKER),
          GeneratorProgress(run=run, worker=SILENT_WORKER, completions=25, prompt_tokens=2500,
                            completion_tokens=5000, prompt_tokens_per_s=80.0, completion_tokens_per_s=150.0,
@@ -70,16 +74,18 @@ def initial_events(run: str, now: float | None = None) -> tuple[list[tuple[str, 
                message="38% of the last 50 samples have fewer than 32 supervised tokens",
                examples=["<|im_start|>assistant\nOK.<|im_end|>"], ts=now - 5)),
         (Subjects.progress(run, "train", "trainer"),
-         TrainerProgress(run=run, worker="trainer", step=10, loss=5.5, estimated_tau=1.4, tokens_per_s=900.0,
-                         samples_seen=12, ts=now - 30)),
+         TrainerProgress(run=run, worker="trainer", state="waiting for data", ts=now - 60)),  # the placeholder
         (Subjects.progress(run, "train", "trainer"),
-         TrainerProgress(run=run, worker="trainer", step=20, loss=4.25, estimated_tau=1.9, tokens_per_s=950.0,
-                         samples_seen=30, checkpoint_key=f"runs/{run}/checkpoints/step-00000020/", ts=now - 3)),
+         TrainerProgress(run=run, worker="trainer", step=10, total_steps=100, loss=5.5, estimated_tau=1.4,
+                         tokens_per_s=900.0, samples_seen=12, ts=now - 30)),
+        (Subjects.progress(run, "train", "trainer"),
+         TrainerProgress(run=run, worker="trainer", step=20, total_steps=100, loss=4.25, estimated_tau=1.9,
+                         tokens_per_s=950.0, samples_seen=30, steps_per_s=0.5, eta_s=160.0, checkpoint_key=f"runs/{run}/checkpoints/step-00000020/", ts=now - 3)),
         (Subjects.progress(run, "eval", "eval"),
          EvalReport(run=run, checkpoint_key=f"runs/{run}/checkpoints/step-00000020/", prompts=8, tau=2.1,
                     speedup=1.3, lossless=True, ts=now - 1)),
     ]
-    ev.counted, ev.tokenized, ev.kept_counted, ev.trained = 40 + 25, 50, 44, 30
+    ev.counted, ev.tokenized, ev.kept_counted, ev.trained, ev.step, ev.total_steps = 40 + 25, 50, 44, 30, 20, 100
     out += shard_events(run, now)
     ev.generated, ev.shards, ev.tokenized_shards, ev.kept = 58, 3, 2, 24 + 18
     ev.checkpoint_key = f"runs/{run}/checkpoints/step-00000020/"

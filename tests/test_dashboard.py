@@ -16,7 +16,8 @@ from streamlit.testing.v1 import AppTest
 from dashboard import state as sv
 from dashboard.cli import is_local
 from shared.bus import Bus, consumer_for
-from shared.ledger import Ledger
+from shared.config import ViewConfig
+from shared.ledger import Ledger, StageCounts
 from shared.messages import (
     GeneratorProgress,
     PromptTask,
@@ -28,6 +29,7 @@ from shared.messages import (
 )
 from shared.stack import EmbeddedStack, Ports, free_port
 from shared.topology import Subjects
+from shared.view import LedgerFacts, empty_facts
 from tests.conftest import new_run
 from tests.dashboard_events import SHARD_QUALITY, SILENT_WORKER, initial_events, publish, shard_events
 
@@ -96,32 +98,49 @@ async def dead_letter_one(bus: Bus, run: str) -> None:
 # --- pure view model -------------------------------------------------------------------------------
 
 
+def facts(log: Ledger | None) -> LedgerFacts:
+    """A ledger's facts as the listener takes them (no manifest, dead letters or queue in these tests)."""
+    if log is None:
+        return empty_facts()
+    c = log.counts()
+    return LedgerFacts(counts=c, stages=StageCounts(False, 0, c.completed, 0, 0, 0, c.shards, c.tokenized_shards, 0),
+                       manifest_accepted=None, manifest_rejected=0, dead_lettered={}, alerts=tuple(log.latest_alerts()))
+
+
 def test_fold_real_events_into_view_model():
     now = time.time()
     events, ev = initial_events("r1", now)
     runs: dict[str, sv.RunState] = {}
-    log = Ledger("r")
+    log = Ledger("r1")
     for _, msg in events:
         msg = decode(encode(msg))  # as they arrive on the wire
         log.add(msg) if isinstance(msg, ShardWritten | TokenizedShard) else sv.apply(runs, msg)
-    rs = runs["r1"]
+    rs, window = runs["r1"], ViewConfig()
     # From the shard events: unique prompts in S3 (the 5 written twice count once), shards tokenized.
-    totals = {t.stage: t for t in sv.stage_totals(rs, now, durable=log.counts())}
+    view = sv.run_view(rs, facts(log), now, window)
+    totals = {t.stage: t for t in view.stages}
     assert (totals["feed"].done, totals["feed"].total) == (100, 100)
     assert (totals["generate"].done, totals["generate"].total) == (ev.generated, 100) == (58, 100)
     assert (totals["tokenize"].done, totals["tokenize"].total) == (ev.tokenized_shards, ev.shards) == (2, 3)
-    assert totals["train"].done == ev.trained and totals["train"].total == ev.kept
-    assert totals["generate"].rate_per_s == pytest.approx((58 - 30) / 90, rel=0.01)  # 30 at now-100, 58 at now-10
-    assert totals["generate"].eta_s == pytest.approx((100 - 58) / ((58 - 30) / 90), rel=0.01)
-    assert totals["tokenize"].rate_per_s == pytest.approx(1 / 50, rel=0.01)
-    # Without shard events (none written yet): the workers' own counters.
-    totals = {t.stage: t for t in sv.stage_totals(rs, now)}
+    assert (totals["train"].done, totals["train"].total) == (ev.step, ev.total_steps)
+    # Over the window ending now: 30 prompts at now-100 (no point before it), 58 at now-10.
+    assert totals["generate"].rate_per_s == pytest.approx((58 - 30) / 100, rel=0.01)
+    assert totals["generate"].eta_s == pytest.approx((100 - 58) / ((58 - 30) / 100), rel=0.01)
+    assert totals["tokenize"].rate_per_s == pytest.approx(1 / 90, rel=0.01)  # 1 at now-90, 2 at now-40
+    # one shard left at that rate is 90 s, but tokenization cannot end before generation does
+    assert totals["tokenize"].eta_s == pytest.approx(totals["generate"].eta_s)
+    assert (totals["train"].rate_per_s, totals["train"].eta_s) == (0.5, 160.0)  # the trainer's own
+    # Without shard events (none written yet): the workers' own counters and rates (gpu1 is silent: not counted).
+    totals = {t.stage: t for t in sv.run_view(rs, None, now, window).stages}
     assert (totals["generate"].done, totals["generate"].total) == (ev.counted, 100)
-    assert totals["train"].total == ev.kept_counted
-    # gpu0 went 20 → 40 completions in 58 s; gpu1's only event is 15 min old (outside the window).
-    assert totals["generate"].rate_per_s == pytest.approx(20 / 58, rel=0.05)
-    assert totals["generate"].eta_s == pytest.approx((100 - 65) / (20 / 58), rel=0.05)
-    assert [w.worker for w in sv.silent_workers(rs, now, 60)] == [SILENT_WORKER]
+    assert totals["generate"].rate_per_s == 0.35
+    assert totals["generate"].eta_s == pytest.approx((100 - 65) / 0.35, rel=0.01)
+    assert view.silent == [f"generate/{SILENT_WORKER}"]
+    assert [w.state for w in view.workers if w.stage == "generate"] == ["running", "silent"]
+    engine = view.engines[0]
+    assert (engine.engine, engine.running, engine.queued, engine.fill, engine.concurrency) == (
+        "http://gpu0:30000", 24, 3, 24 / 32, 27)
+    assert view.training is not None and (view.training.step, view.training.loss) == (20, 4.25)
     reasons, truncated = sv.finish_reasons(rs)
     assert reasons == {"stop": 61, "length": 4} and truncated == pytest.approx(100 * 4 / 65)
     q = sv.quality_view(rs)  # no shard events: the tokenizer's counters
@@ -134,6 +153,8 @@ def test_fold_real_events_into_view_model():
     assert sv.checkpoint_rows(rs)[0]["S3 key"] == ev.checkpoint_key
     assert sv.eval_rows(rs)[0]["τ"] == 2.1
     assert sv.elapsed_s(rs, now) == pytest.approx(900, abs=1)
+    # The trainer's first report ('waiting for data': loss 0, τ 0) is no point of the loss and τ charts.
+    assert [p["step"] for p in sv.trainer_series(rs)] == [10, 20]
 
 
 def test_redeliveries_and_restarts_do_not_move_the_stage_counts():
@@ -150,9 +171,9 @@ def test_redeliveries_and_restarts_do_not_move_the_stage_counts():
     sv.apply(runs, GeneratorProgress(run=run, worker="w1", completions=10, shards=0, ts=now - 5))  # ... done again
     sv.apply(runs, TokenizerProgress(run=run, worker="tok", shards=1, samples_in=30, ts=now - 30))
     sv.apply(runs, TokenizerProgress(run=run, worker="tok", shards=0, samples_in=0, ts=now - 5))  # restarted
-    counted = {t.stage: t.done for t in sv.stage_totals(runs[run], now)}
+    counted = {t.stage: t.done for t in sv.run_view(runs[run], None, now, ViewConfig()).stages}
     assert (counted["generate"], counted["tokenize"]) == (70, 0)  # what the counters alone show
-    exact = {t.stage: t.done for t in sv.stage_totals(runs[run], now, durable=log.counts())}
+    exact = {t.stage: t.done for t in sv.run_view(runs[run], facts(log), now, ViewConfig()).stages}
     assert (exact["generate"], exact["tokenize"]) == (50, 1)
     assert sv.quality_view(runs[run]).samples_in == 0  # the restarted tokenizer's counters
     q = sv.quality_view(runs[run], log.counts())
@@ -198,12 +219,13 @@ async def test_page_shows_counts_gate_silent_worker_and_dead_letters(stack, page
     m = metrics(at)
     assert m["fed"] == "100 / 100"
     assert m["tokenized shards"] == f"{ev.tokenized_shards} / {ev.shards}"
-    assert m["trained (samples seen)"] == f"{ev.trained} / {ev.kept}"
+    assert m["trained (steps)"] == f"{ev.step} / {ev.total_steps}"
     assert m["samples in"] == f"{SHARD_QUALITY['samples_in']}" and m["samples kept"] == f"{ev.kept}"
     assert m["retokenization drift"] == f"{SHARD_QUALITY['drift']}"
     dropped = next(d.value for d in at.dataframe if "dropped" in d.value.columns)
     assert dict(zip(dropped["reason"], dropped["dropped"], strict=True)) == SHARD_QUALITY["dropped"]
     assert m["step"] == "20" and m["estimated τ"] == "1.90"
+    assert (m["steps/s"], m["training ETA"]) == ("0.50", "2m 40s")
     assert m["truncated (finish_reason=length)"] == f"{100 * 4 / 65:.1f}%"
     errors = texts(at.error)
     assert any(e.startswith("Quality gate tripped: 38% of the last 50") for e in errors), errors

@@ -117,7 +117,7 @@ def test_browser_shows_the_published_run_live(stack, dashboard, tmp_path):
             shown = wait_metric(page, "generated", f"{ev.generated} / {ev.prompts}")
             assert shown["fed"] == f"{ev.prompts} / {ev.prompts}"
             assert shown["tokenized shards"] == f"{ev.tokenized_shards} / {ev.shards}"
-            assert shown["trained (samples seen)"] == f"{ev.trained} / {ev.kept}"
+            assert shown["trained (steps)"] == f"{ev.step} / {ev.total_steps}"
 
             # Live: gpu0 writes a shard of 15 new prompts; the open page follows without a reload.
             publish_now(stack, [(Subjects.progress(run, "generate", "gpu0"),

@@ -537,7 +537,8 @@ def test_trainer_started_before_data_takes_it_from_its_durable_consumer(stack, s
             except Exception:
                 return None
 
-    proc = _spawn(_env(stack_env, max_steps=4, checkpoint_every=2), run, tmp_path / "t.log", "train")
+    env = {**_env(stack_env, max_steps=4, checkpoint_every=2), "DFLASH_VIEW__LOG_EVERY_S": "0"}  # a line a step
+    proc = _spawn(env, run, tmp_path / "t.log", "train")
     deadline = time.monotonic() + 120
     while asyncio.run(consumer()) is None:  # the trainer is up and consuming, with no data yet
         assert proc.poll() is None, (tmp_path / "t.log").read_text()[-3000:]
@@ -557,6 +558,10 @@ def test_trainer_started_before_data_takes_it_from_its_durable_consumer(stack, s
     state = torch.load(io.BytesIO(store.get_bytes(prefix + "state.pt")), weights_only=False)
     assert [k.split("/")[2] for k in state["cursor"]["shards"]] == ["tokenized"]  # the shard table, in the checkpoint
     assert state["step"] == 4 and progress_history(stack, run)[4].total_steps == 4
+    # a long stage never looks stuck: each report after the first step has its rate and ETA, and the log says them
+    history = progress_history(stack, run)
+    assert all(history[s].steps_per_s > 0 and history[s].eta_s is not None for s in (2, 3, 4)), history
+    assert history[4].eta_s == 0.0 and "step 4 of 4 (epoch" in (tmp_path / "t.log").read_text()
 
 
 def test_data_arriving_mid_run_joins_the_next_epoch_and_stretches_the_schedule(stack, stack_env, tmp_path: Path) -> None:

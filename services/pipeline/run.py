@@ -28,11 +28,12 @@ from shared.config import Config, data_dir
 from shared.exits import Exit
 from shared.failures import Failure, classify, describe, retry_async
 from shared.gpus import GpuGroup
-from shared.ledger import RunLedger, generation_done, tokenization_done
+from shared.ledger import RunLedger, StageCounts, generation_done, tokenization_done
 from shared.messages import Alert
-from shared.status import RunOverview, RunStatus, run_overview, run_status
+from shared.status import RunOverview, RunStatus, duration, rate_text, run_overview, run_status, training_text
 from shared.store import Store
 from shared.topology import Keys, Subjects
+from shared.view import RunView
 
 from .layout import engine_urls, engines_still_up, generator_argv, launched_engine_urls, trainer_spec
 from .supervisor import ServiceSpec, ServiceState, Supervisor
@@ -78,7 +79,8 @@ def service_specs(cfg: Config, request: RunRequest) -> list[ServiceSpec]:
 
 
 class Display:
-    """A live terminal view (rich): one bar per stage with counts, rate and ETA."""
+    """A live terminal view (rich): one bar per stage with counts, rate and ETA, rendered from the run's view
+    (`shared.view`: the numbers `dfpipe status` and the dashboard show); a log line instead when not on a terminal."""
 
     def __init__(self, cfg: Config, enabled: bool) -> None:
         from rich.console import Console
@@ -94,7 +96,6 @@ class Display:
         self.tasks = {name: self.progress.add_task(name, total=None, note="") for name in
                       ("fed", "generated", "tokenized", "trained")}
         self.last_line = 0.0
-        self.max_steps = cfg.trainer.max_steps
 
     def __enter__(self) -> Display:
         self.progress.__enter__()
@@ -104,23 +105,40 @@ class Display:
         self.progress.__exit__(*exc)
 
     def update(self, p: RunOverview, services: dict[str, str]) -> None:
-        st, stages = p.status, p.stages
-        eta = f"ETA {int(st.eta_s // 60)}m{int(st.eta_s % 60):02d}s" if st.eta_s else ""
-        self.progress.update(self.tasks["fed"], total=st.total or None, completed=st.total,
-                             note=f"{st.rejects} rejected" + ("" if stages.fed else " (feeding)"))
-        self.progress.update(self.tasks["generated"], total=st.total or None, completed=st.completed,
-                             note=f"{st.completion_tokens_per_s:.0f} tok/s {eta} dead {st.dead_lettered.get('generate', 0)}")
-        self.progress.update(self.tasks["tokenized"], total=stages.shards or None, completed=stages.tokenized_shards,
-                             note=f"{p.tokenized_samples} samples")
-        t = p.trainer
-        self.progress.update(self.tasks["trained"], total=(t.total_steps if t else 0) or self.max_steps or None,
-                             completed=t.step if t else 0,
-                             note=f"loss {t.loss:.3f} τ≈{t.estimated_tau:.2f}" if t else "waiting for data")
+        self.show(p.view, p.stages, services)
+
+    def show(self, v: RunView, stages: StageCounts, services: dict[str, str]) -> None:
+        for task, line in zip(("fed", "generated", "tokenized", "trained"), stage_lines(v, stages), strict=True):
+            self.progress.update(self.tasks[task], total=line.total, completed=line.done, note=line.note)
         if not self.enabled and time.monotonic() - self.last_line > 10:  # a log line when not on a terminal
             self.last_line = time.monotonic()
-            print(f"[{time_of_day()}] fed {st.total} generated {st.completed}/{st.total} tokenized "
-                  f"{stages.tokenized_shards}/{stages.shards} shards trained {t.step if t else 0} steps | "
-                  + " ".join(f"{k}={v}" for k, v in services.items()), flush=True)
+            print(f"[{time_of_day()}] " + " | ".join(f"{line.name} {line.done}/{line.total or '?'} {line.note}"
+                                                      for line in stage_lines(v, stages))
+                  + " | " + " ".join(f"{k}={n}" for k, n in services.items()), flush=True)
+
+
+@dataclass(frozen=True)
+class StageLine:
+    """One stage as `dfpipe run` shows it: a bar of done of total, and a note with its rate and ETA."""
+
+    name: str
+    done: int
+    total: int | None
+    note: str
+
+
+def stage_lines(v: RunView, stages: StageCounts) -> list[StageLine]:
+    """The display's four lines, every number from the view."""
+    feed, gen, tok, train = (v.stage(s) for s in ("feed", "generate", "tokenize", "train"))
+    return [
+        StageLine("fed", feed.done, feed.total, f"{v.rejects} rejected" + ("" if stages.fed else " (feeding)")),
+        StageLine("generated", gen.done, gen.total,
+                  f"{v.completion_tokens_per_s:.0f} tok/s, {rate_text(gen.rate_per_s, gen.unit)}, ETA {duration(gen.eta_s)}, "
+                  f"dead {v.dead_lettered.get('generate', 0)}"),
+        StageLine("tokenized", tok.done, tok.total,
+                  f"{v.tokenized_samples} samples, {rate_text(tok.rate_per_s, tok.unit)}, ETA {duration(tok.eta_s)}"),
+        StageLine("trained", train.done, train.total, training_text(v)),
+    ]
 
 
 def time_of_day() -> str:

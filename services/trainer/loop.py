@@ -32,6 +32,7 @@ from .build import autocast_dtype, build, draft_vocab_ids
 from .checkpoint import load_latest_checkpoint, save_checkpoint
 from .data import SampleIndex, SampleSet, ShardCache, ShardFeed, epoch_order, load_samples
 from .dist import Dist
+from .pace import Pace
 from .schedule import Cursor, Packing, StepSchedule, warmup_steps
 from .step import DrafterStep, Microbatch, StepResult
 
@@ -65,6 +66,7 @@ class Trainer:
         self.resumes = 0  # times this run's training went on from a checkpoint, this start included
         self.samples_seen = 0
         self.train_s = 0.0  # time spent in training steps, over all processes of this run
+        self.pace = Pace(cfg.view)  # steps/s and ETA for the progress reports, and the log's progress line
         self.feed: ShardFeed | None = None  # rank 0's durable consumer of the TOKENIZED log
         self.ledger = RunLedger(cfg, bus, store)  # rank 0's view of the run: each check folds only what is new
         # every shard indexed so far (per-sample numbers; tokens in the node's disk cache): only new shards are fetched
@@ -300,6 +302,8 @@ class Trainer:
                 if out is None:
                     continue
                 self.samples_seen += out.samples
+                steps_per_s, eta_s = self.pace.observe(self.step, self.schedule.total,
+                                                       t.max_train_s - self.train_s if t.max_train_s > 0 else None)
                 self.last = TrainerProgress(
                     run=self.run, worker=self.worker, step=self.step, total_steps=self.schedule.total,
                     epoch=self.cursor.epoch, loss=out.loss,
@@ -307,7 +311,10 @@ class Trainer:
                     estimated_tau=round(estimated_tau(out.acc), 4), tokens_per_s=round(out.tokens_per_s, 1),
                     target_forward_share=round(out.target_share, 4), samples_seen=self.samples_seen,
                     checkpoint_key=checkpoint_key, state="running", resumes=self.resumes,
+                    steps_per_s=round(steps_per_s, 4), eta_s=None if eta_s is None else round(eta_s, 1),
                 )
+                if self.dist.main:
+                    self.pace.maybe_log(self.last)
                 if self.step % t.checkpoint_every == 0 or self.step >= self.schedule.total:
                     checkpoint_key = await self.checkpoint()  # holds this step's progress, for a resume's display
                     self.last = msgspec.structs.replace(self.last, checkpoint_key=checkpoint_key)
