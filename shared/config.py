@@ -81,7 +81,9 @@ class FeederConfig(Section):
 
 
 class GeneratorConfig(Section):
-    backend: Literal["hf", "sglang", "openai", "synthetic"] = "hf"  # synthetic: a load generator, benchmarks/tests only
+    # hf (the embedded default) | sglang | openai | synthetic (a load generator, benchmarks/tests only): the kinds
+    # are registered in services/generator/backends/__init__.py, which checks this key (shared names no service)
+    backend: str = "hf"
     max_inflight: int = 16  # requests kept in flight so the engine never idles
     batch_size: int = 8  # hf backend: prompts per generate() call
     shard_records: int = 256

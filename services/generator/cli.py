@@ -13,6 +13,8 @@ import msgspec
 
 from shared.exits import Exit
 
+from .backends import backend_kinds, check_kind
+
 
 def _generate(args: argparse.Namespace) -> int:
     from shared.cli import load
@@ -31,6 +33,7 @@ def _generate(args: argparse.Namespace) -> int:
         overrides["launch"] = True
     if overrides:
         cfg = msgspec.structs.replace(cfg, generator=msgspec.structs.replace(g, **overrides))
+    check_kind(cfg.generator.backend)
     worker = check_name("worker", args.worker or f"{socket.gethostname().split('.')[0]}-gpu{args.gpu or 0}")
     stats = asyncio.run(run_generator(cfg, worker, gpu=args.gpu))
     print(f"generator {worker}: {stats.acked} completed, {stats.retried} retried, {stats.dead_lettered} dead-lettered, "
@@ -79,7 +82,7 @@ def register(sub: Any, replay: Any) -> None:
     p.add_argument("--run", required=True)
     p.add_argument("--worker", default=os.environ.get("DFLASH_WORKER"), help="unique worker name (default host-gpuN)")
     p.add_argument("--gpu", type=int, default=None, help="GPU index for this worker's engine")
-    p.add_argument("--backend", choices=["hf", "sglang", "openai", "synthetic"], default=None)
+    p.add_argument("--backend", choices=backend_kinds(), default=None)
     p.add_argument("--engine-url", default=None, help="sglang/openai server URL")
     p.add_argument("--launch", action="store_true", help="sglang: start a server for this GPU")
     p.set_defaults(func=_generate)

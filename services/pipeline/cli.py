@@ -8,6 +8,7 @@ import os
 import sys
 from typing import Any
 
+from services.generator.backends import backend_kinds, check_kind
 from shared.exits import Exit
 
 
@@ -33,6 +34,7 @@ def _run(args: argparse.Namespace) -> int:
         args.config = str(DEMO_CONFIG)
         print(f"no --prompts and no --config: the bundled demo ({BUNDLED_PROMPTS.name}, CC0) with {DEMO_CONFIG}")
     base = load_config(args.config)
+    check_kind(args.backend or base.generator.backend)  # a typo is said now, not as a generator's crash loop
     env: dict[str, str] = {}
     if not is_external():
         stack = stack_up(base)  # reuses a running embedded stack
@@ -80,7 +82,7 @@ def register(sub: Any, replay: Any) -> None:
     p.add_argument("--run", required=True, help="run name; re-running the same name resumes it")
     p.add_argument("--gpus", type=_gpus, default=None, help="e.g. 0,1,2,3: one generator per GPU")
     p.add_argument("--generators", type=int, default=1, help="generators on CPU when no --gpus")
-    p.add_argument("--backend", choices=["hf", "sglang", "openai", "synthetic"], default=None)
+    p.add_argument("--backend", choices=backend_kinds(), default=None)
     p.add_argument("--no-train", action="store_true", help="stop after tokenization")
     p.add_argument("--no-dashboard", action="store_true")
     p.add_argument("--plain", action="store_true", help="log lines instead of the live display")

@@ -192,7 +192,7 @@ async def run_pipeline(cfg: Config, request: RunRequest, *, env: dict[str, str],
         report = None
         if request.train:
             proc = await asyncio.create_subprocess_exec(*cli_argv("eval", "--run", cfg.run), env={**os.environ, **env})
-            if await proc.wait() != 0:
+            if await proc.wait() != Exit.OK:
                 print("eval failed (see above)")
                 outcome = Exit.EVAL_FAILED
             else:
