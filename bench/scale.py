@@ -35,7 +35,7 @@ from services.pipeline.run import RunRequest, service_specs
 from services.pipeline.supervisor import Supervisor
 from shared.config import Config
 from shared.store import Store
-from shared.topology import Keys
+from shared.topology import Keys, Streams, durable
 
 GENERATORS = 4
 TARGETS = {"status_warm_s": 1.0, "status_cold_s": 3.0, "trainer_data_anon_mb": 1024, "prompts_per_s": 500}
@@ -102,12 +102,12 @@ class Meter:
         return out
 
 
-async def consumer_counts(bus: Any, stream: str, durable: str) -> tuple[int, int] | None:
+async def consumer_counts(bus: Any, stream: str, consumer: str) -> tuple[int, int] | None:
     """(pending, ack pending) of a consumer; None before it exists."""
     import nats
 
     try:
-        info = await bus.js.consumer_info(stream, durable)
+        info = await bus.js.consumer_info(stream, consumer)
     except nats.js.errors.NotFoundError:
         return None
     return info.num_pending, info.num_ack_pending
@@ -142,8 +142,8 @@ async def drive(cfg: Config, stack: Any, prompts: Path, env: dict[str, str], log
                     store = await asyncio.to_thread(Store.open, cfg)
                     manifest = await asyncio.to_thread(store.get_bytes, Keys.manifest(run))
                     total = json.loads(manifest)["total_accepted"]
-                gen = await consumer_counts(bus, "PROMPTS", f"generate-{run}")
-                tok = await consumer_counts(bus, "SHARDS", f"tokenize-{run}")
+                gen = await consumer_counts(bus, Streams.PROMPTS, durable("generate", run))
+                tok = await consumer_counts(bus, Streams.SHARDS, durable("tokenize", run))
                 if total and gen is not None:
                     done = total - gen[0] - gen[1]
                     if faults and not kills and done >= 0.3 * total:

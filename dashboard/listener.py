@@ -33,7 +33,7 @@ from shared.config import Config
 from shared.ledger import DurableCounts, RunLedger
 from shared.messages import DeadLetter, MessageError, ProgressMessage, decode
 from shared.store import Store, StoreError
-from shared.topology import ANY, Keys, Subjects
+from shared.topology import ANY, Keys, Streams, Subjects
 
 log = logging.getLogger("dflash.dashboard")
 
@@ -131,7 +131,7 @@ class Listener:
             self._loop.close()
 
     async def _supervise(self) -> None:
-        await asyncio.gather(self._follow_forever("PROGRESS", Subjects.whole_run(self.run or ANY)), self._poll_forever())
+        await asyncio.gather(self._follow_forever(Streams.PROGRESS, Subjects.whole_run(self.run or ANY)), self._poll_forever())
 
     async def _close_bus(self) -> None:
         if self._bus is not None:
@@ -228,7 +228,7 @@ class Listener:
 
     async def _lag(self, bus: Bus) -> list[ConsumerLag]:
         out = []
-        for stream in ("PROMPTS", "SHARDS", "TOKENIZED"):
+        for stream in (Streams.PROMPTS, Streams.SHARDS, Streams.TOKENIZED):
             try:
                 infos = await bus.js.consumers_info(stream)
             except nats.js.errors.NotFoundError:

@@ -44,7 +44,7 @@ from shared.bus import Bus
 from shared.config import Config
 from shared.messages import Alert, ShardWritten, TokenizedShard
 from shared.store import KeyNotFound, Store, StoreError
-from shared.topology import ANY, Keys, Subjects
+from shared.topology import ANY, Keys, Streams, Subjects, durable
 
 log = logging.getLogger("dflash.ledger")
 
@@ -326,8 +326,8 @@ class Ledger:
 
 def _logs(run: str) -> list[tuple[str, str, Any]]:
     """(stream, subject, type) of each log the ledger folds."""
-    return [("SHARDS", Subjects.shards(run), ShardWritten), ("TOKENIZED", Subjects.tokenized(run), TokenizedShard),
-            ("PROGRESS", Subjects.alert(run, ANY), Alert)]
+    return [(Streams.SHARDS, Subjects.shards(run), ShardWritten), (Streams.TOKENIZED, Subjects.tokenized(run), TokenizedShard),
+            (Streams.PROGRESS, Subjects.alert(run, ANY), Alert)]
 
 
 class RunLedger:
@@ -387,7 +387,7 @@ class RunLedger:
                     ledger.cursor[stream] = seq
                 if not seq:  # none of the run's events up to last_seq (other runs', progress): skip them next time
                     ledger.cursor[stream] = info.state.last_seq
-            if stream == "PROGRESS":
+            if stream == Streams.PROGRESS:
                 ledger.expire_alerts(info.state.first_seq)
         await asyncio.gather(self._read_manifest(), self._read_dead_letters(), self._read_prompt_queue())
         self._maybe_snapshot()
@@ -478,7 +478,7 @@ class RunLedger:
     async def _read_dead_letters(self) -> None:
         """Dead letters per stage as the stream has them now (one request: the server counts per subject)."""
         try:
-            info = await self.bus.js.stream_info("DEADLETTER", subjects_filter=Subjects.deadletter(self.run, ANY))
+            info = await self.bus.js.stream_info(Streams.DEADLETTER, subjects_filter=Subjects.deadletter(self.run, ANY))
         except nats.js.errors.NotFoundError:
             self.dead_lettered = {}
             return
@@ -493,12 +493,12 @@ class RunLedger:
         """The generate consumer's in-flight and queued prompts (before any generator has started: every
         prompt fed is queued)."""
         try:
-            info = await self.bus.js.consumer_info("PROMPTS", f"generate-{self.run}")
+            info = await self.bus.js.consumer_info(Streams.PROMPTS, durable("generate", self.run))
             self.in_flight, self.queued = info.num_ack_pending, info.num_pending
         except nats.js.errors.NotFoundError:
             self.in_flight = 0
             try:
-                sinfo = await self.bus.js.stream_info("PROMPTS", subjects_filter=Subjects.prompts(self.run))
+                sinfo = await self.bus.js.stream_info(Streams.PROMPTS, subjects_filter=Subjects.prompts(self.run))
             except nats.js.errors.NotFoundError:  # no service has created the streams yet
                 self.queued = 0
                 return

@@ -22,7 +22,7 @@ from shared.exits import Exit
 from shared.ledger import RunLedger, StageCounts
 from shared.messages import Alert, GeneratorProgress, Message, TrainerProgress
 from shared.store import Store
-from shared.topology import ANY, Subjects
+from shared.topology import ANY, Streams, Subjects
 
 SILENT_S = 120.0
 
@@ -74,7 +74,7 @@ async def _read(cfg: Config, bus: Bus, store: Store | None,
     st.dead_lettered = dict(ledger.dead_lettered)
     now = time.time()
     trainer = None
-    latest: list[tuple[int, Message]] = await bus.latest_per_subject("PROGRESS", Subjects.progress(run, ANY, ANY))
+    latest: list[tuple[int, Message]] = await bus.latest_per_subject(Streams.PROGRESS, Subjects.progress(run, ANY, ANY))
     for _, p in latest:
         age = now - p.ts
         if isinstance(p, GeneratorProgress):

@@ -27,7 +27,7 @@ from shared.config import Config, fingerprint
 from shared.messages import ChatMessage, FeederProgress, PromptTask
 from shared.records import jsonl_line
 from shared.store import Store
-from shared.topology import ANY, Keys, Subjects
+from shared.topology import ANY, Keys, Streams, Subjects
 
 from .normalize import RejectedRecord, UnknownShape, normalize, prompt_id
 from .sources import SHAPES, Raw, SourceError, escaped, local_copy, read_records
@@ -180,7 +180,7 @@ class Feeder:
     async def _registered(self, ids: list[str]) -> list[bool]:
         async def one(pid: str) -> bool:
             try:
-                await self.bus.js.get_last_msg("REGISTRY", Subjects.registry(self.run, pid), direct=True)
+                await self.bus.js.get_last_msg(Streams.REGISTRY, Subjects.registry(self.run, pid), direct=True)
                 return True
             except nats.js.errors.NotFoundError:
                 return False
@@ -189,7 +189,7 @@ class Feeder:
 
     async def _has_registry(self) -> bool:
         try:
-            await self.bus.js.get_last_msg("REGISTRY", Subjects.registry(self.run, ANY))
+            await self.bus.js.get_last_msg(Streams.REGISTRY, Subjects.registry(self.run, ANY))
             return True
         except nats.js.errors.NotFoundError:
             return False

@@ -24,7 +24,7 @@ from shared.messages import GeneratorProgress, PromptTask
 from shared.records import CompletionRecord
 from shared.service import Consumer, Context, Progress, Service, serve
 from shared.store import Store
-from shared.topology import Subjects
+from shared.topology import Streams, Subjects
 
 from .backends import Backend, EngineError, GenRequest, PromptRefused, make_backend
 from .shards import ShardWriter
@@ -156,7 +156,7 @@ class Generator:
             self.completions += mine.records
             self.completion_tokens += mine.completion_tokens
             self.shards.shards_written += mine.shards
-        for _, last in await self.bus.latest_per_subject("PROGRESS", subject):
+        for _, last in await self.bus.latest_per_subject(Streams.PROGRESS, subject):
             if isinstance(last, GeneratorProgress):
                 self.prompt_tokens += last.prompt_tokens
                 self.engine_errors += last.errors

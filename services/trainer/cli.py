@@ -132,13 +132,13 @@ def _plan(args: argparse.Namespace) -> int:
         from shared.bus import Bus
         from shared.cli import load
         from shared.messages import GeneratorProgress
-        from shared.topology import ANY, Subjects
+        from shared.topology import ANY, Streams, Subjects
 
         cfg = load(argparse.Namespace(config=args.config, run=args.live_run))
 
         async def live() -> tuple[float, int]:
             async with await Bus.connect(cfg.bus, "plan", deadline_s=10) as bus:
-                latest = await bus.latest_per_subject("PROGRESS", Subjects.progress(cfg.run, "generate", ANY))
+                latest = await bus.latest_per_subject(Streams.PROGRESS, Subjects.progress(cfg.run, "generate", ANY))
             rates = [p.completion_tokens_per_s for _, p in latest if isinstance(p, GeneratorProgress)
                      and p.state == "running"]
             return (sum(rates) / len(rates) if rates else 0.0), len(rates)
