@@ -76,7 +76,7 @@ class FeederConfig(Section):
     max_prompt_tokens: int = 8192
     publish_window: int = 2000  # async publishes in flight before waiting for acks
     # A record (line, array element) longer than this is rejected unread: it bounds the feeder's memory
-    # whatever the input (a few times this, see README "Faults"), far above any prompt within max_prompt_tokens.
+    # whatever the input (a few times this, see docs/prompts.md, "What happens to bad input"), far above any prompt within max_prompt_tokens.
     max_record_bytes: int = 16 << 20
 
 
