@@ -272,11 +272,11 @@ async def trainer_probe(cfg: Config, steps: int) -> dict[str, Any]:
         pass_steps = trainer.packing.pass_steps(trainer.packing.lengths(train.num_tokens, order))
         plan_s = time.perf_counter() - t
         trainer.schedule = StepSchedule(total=steps, warmup=warmup_steps(steps, cfg.trainer.warmup_ratio))
-        trainer.sched = torch.optim.lr_scheduler.LambdaLR(trainer.opt, trainer.schedule.lr_lambda())
+        trainer.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.opt, trainer.schedule.lr_lambda())
         losses, step_s = [], []
         for _ in range(steps):
             t = time.perf_counter()
-            out = await asyncio.to_thread(trainer.train_step, train, order)
+            out = await asyncio.to_thread(trainer.take_step, train, order)
             step_s.append(time.perf_counter() - t)
             losses.append(round(out.loss, 4))
         pids = everything._rows["prompt_id"]

@@ -335,6 +335,7 @@ def load_config(path: str | os.PathLike[str] | None = None, env: dict[str, str] 
 
 
 def config_to_dict(cfg: Config) -> dict[str, Any]:
+    """The config as plain data: what a run's record holds (shared/runconfig.py)."""
     return msgspec.to_builtins(cfg)
 
 

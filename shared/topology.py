@@ -173,7 +173,7 @@ class Keys:
 
     @staticmethod
     def run_config(run: str) -> str:
-        """The run's resolved config (JSON)."""
+        """The run's resolved settings (JSON), written once at its start; checkpoints name it (shared/runconfig.py)."""
         return Keys.run(run) + "config.json"
 
     @staticmethod

@@ -26,6 +26,7 @@ from shared.bus import Bus, ProgressLoop
 from shared.config import Config, fingerprint
 from shared.messages import ChatMessage, FeederProgress, PromptTask
 from shared.records import jsonl_line
+from shared.runconfig import record_run_config
 from shared.store import Store
 from shared.topology import ANY, Keys, Streams, Subjects
 
@@ -291,6 +292,7 @@ class Feeder:
 
     async def feed(self, sources: list[str]) -> FeedSummary:
         started = time.monotonic()
+        await asyncio.to_thread(record_run_config, self.store, self.cfg)  # a run fed without `dfpipe run`
         self._resume = await self._has_registry()
         fd, tmp = tempfile.mkstemp(prefix="dflash-rejects-", suffix=".jsonl")
         try:

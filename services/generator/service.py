@@ -105,8 +105,6 @@ class Generator:
         task: PromptTask = d.data
         if task.run != self.run:
             raise Poison(f"task for run {task.run!r} on run {self.run!r}'s subject")
-        if not task.messages:
-            raise Poison("task has no messages")
         req = GenRequest(prompt_id=task.prompt_id, messages=task.messages, attempt=d.num_delivered)
         async with self.engine_slots:
             self.in_engine += 1

@@ -25,6 +25,7 @@ from shared.config import Config, data_dir
 from shared.exits import Exit
 from shared.ledger import RunLedger, generation_done, tokenization_done
 from shared.messages import Alert
+from shared.runconfig import record_run_config
 from shared.status import RunOverview, RunStatus, run_overview, run_status
 from shared.store import Store
 from shared.topology import Keys, Subjects
@@ -137,6 +138,9 @@ async def _crash_loop_alert(bus: Bus, run: str, st: ServiceState) -> None:
 async def run_pipeline(cfg: Config, request: RunRequest, *, env: dict[str, str], show: bool = True,
                        poll_s: float = 2.0) -> int:
     store = await asyncio.to_thread(Store.open, cfg)
+    started_with = msgspec.structs.replace(
+        cfg, generator=msgspec.structs.replace(cfg.generator, backend=request.backend)) if request.backend else cfg
+    await asyncio.to_thread(record_run_config, store, started_with)  # the run's settings, once, at its start
     logs = data_dir(cfg) / "runs" / cfg.run / "logs"
     async with await Bus.connect(cfg.bus, "dflash-run", deadline_s=30) as bus:
         await bus.ensure_streams()
@@ -228,7 +232,7 @@ def print_artifacts(cfg: Config, store: Store, report: dict | None, st: RunStatu
 
 
 # What the first eval a newcomer sees means (the demo: a 135M target on a 2-core CPU, a short training), from
-# measurements on such a machine (bench/results/train_quality.json; README, "Status of this build").
+# measurements on such a machine (bench/results/train_quality.json; bench/README.md).
 EXPECTED_ON_A_SMALL_CPU = (
     "  what to expect on this CPU: τ (tokens per cycle, bonus included) is the drafter's quality. The demo\n"
     "  (350 prompts, 4 epochs of a two-layer DFlash 2 drafter) ends near τ 1.9 (measured alone on 2 cores:\n"

@@ -124,9 +124,3 @@ async def gate_alerts(bus: Any, run: str) -> list[Alert]:
         if msg.kind == KIND:
             out.append(msg)
     return out
-
-
-async def latest_gate_alert(bus: Any, run: str) -> Alert | None:
-    """The last quality-gate Alert of a run, for `dfpipe status` and the dashboard; None if it never tripped."""
-    alerts = await gate_alerts(bus, run)
-    return alerts[-1] if alerts else None
