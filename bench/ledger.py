@@ -32,7 +32,7 @@ from shared.ledger import Ledger, RunLedger
 from shared.messages import Message, ShardWritten, TokenizedShard
 from shared.status import run_status
 from shared.store import Store
-from shared.topology import Keys, Subjects
+from shared.topology import Keys, Streams, Subjects
 
 
 def step_events(run: str, step: int, n_events: int, prompts_per_step: int, rng: random.Random) -> list[tuple[str, Message]]:
@@ -68,10 +68,10 @@ async def full_replay(bus: Bus, run: str) -> int:
     reader, batched; the results before it was the only one were measured with one get_msg per event)."""
     prompts: set[str] = set()
     n = 0
-    async for _, e in bus.read_log("SHARDS", Subjects.shards(run), 1, ShardWritten):
+    async for _, e in bus.read_log(Streams.SHARDS, Subjects.shards(run), 1, ShardWritten):
         prompts.update(e.prompt_ids)
         n += 1
-    async for _ in bus.read_log("TOKENIZED", Subjects.tokenized(run), 1, TokenizedShard):
+    async for _ in bus.read_log(Streams.TOKENIZED, Subjects.tokenized(run), 1, TokenizedShard):
         n += 1
     return len(prompts)
 

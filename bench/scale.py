@@ -36,7 +36,7 @@ from services.pipeline.run import RunRequest, service_specs
 from services.pipeline.supervisor import Supervisor
 from shared.config import Config
 from shared.store import Store
-from shared.topology import Keys
+from shared.topology import Keys, Streams, durable
 
 GENERATORS = 4
 TARGETS = {"status_warm_s": 1.0, "status_cold_s": 3.0, "trainer_data_anon_mb": 1024, "prompts_per_s": 500}
@@ -103,7 +103,7 @@ class Meter:
         return out
 
 
-async def consumer_counts(bus: Any, stream: str, durable: str) -> tuple[int, int] | None:
+async def consumer_counts(bus: Any, stream: str, consumer: str) -> tuple[int, int] | None:
     """(pending, ack pending) of a consumer; None before it exists."""
     info = await bus.consumer_state(stream, durable)
     return None if info is None else (info.pending, info.ack_pending)
@@ -138,8 +138,8 @@ async def drive(cfg: Config, stack: Any, prompts: Path, env: dict[str, str], log
                     store = await asyncio.to_thread(Store.open, cfg)
                     manifest = await asyncio.to_thread(store.get_bytes, Keys.manifest(run))
                     total = json.loads(manifest)["total_accepted"]
-                gen = await consumer_counts(bus, "PROMPTS", f"generate-{run}")
-                tok = await consumer_counts(bus, "SHARDS", f"tokenize-{run}")
+                gen = await consumer_counts(bus, Streams.PROMPTS, durable("generate", run))
+                tok = await consumer_counts(bus, Streams.SHARDS, durable("tokenize", run))
                 if total and gen is not None:
                     done = total - gen[0] - gen[1]
                     if faults and not kills and done >= 0.3 * total:
@@ -268,11 +268,11 @@ async def trainer_probe(cfg: Config, steps: int) -> dict[str, Any]:
         pass_steps = trainer.packing.pass_steps(trainer.packing.lengths(train.num_tokens, order))
         plan_s = time.perf_counter() - t
         trainer.schedule = StepSchedule(total=steps, warmup=warmup_steps(steps, cfg.trainer.warmup_ratio))
-        trainer.sched = torch.optim.lr_scheduler.LambdaLR(trainer.opt, trainer.schedule.lr_lambda())
+        trainer.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.opt, trainer.schedule.lr_lambda())
         losses, step_s = [], []
         for _ in range(steps):
             t = time.perf_counter()
-            out = await asyncio.to_thread(trainer.train_step, train, order)
+            out = await asyncio.to_thread(trainer.take_step, train, order)
             step_s.append(time.perf_counter() - t)
             losses.append(round(out.loss, 4))
         pids = everything._rows["prompt_id"]

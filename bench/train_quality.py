@@ -63,11 +63,11 @@ async def data_figures(cfg) -> dict:
     """The regenerated data: samples and tokens as tokenized, and how long generation took."""
     from shared.bus import Bus
     from shared.messages import GeneratorProgress, TokenizedShard
-    from shared.topology import Subjects
+    from shared.topology import Streams, Subjects
 
     async with await Bus.connect(cfg.bus, "bench", deadline_s=10) as bus:
-        tok = [e async for _, e in bus.read_log("TOKENIZED", Subjects.tokenized(cfg.run), 1, TokenizedShard)]
-        gen = [p async for _, p in bus.read_log("PROGRESS", Subjects.whole_run(cfg.run), 1)
+        tok = [e async for _, e in bus.read_log(Streams.TOKENIZED, Subjects.tokenized(cfg.run), 1, TokenizedShard)]
+        gen = [p async for _, p in bus.read_log(Streams.PROGRESS, Subjects.whole_run(cfg.run), 1)
                if isinstance(p, GeneratorProgress)]
     return {"samples": sum(e.num_samples for e in tok), "tokens": sum(e.num_tokens for e in tok),
             "supervised_tokens": sum(e.num_supervised for e in tok),
@@ -78,10 +78,10 @@ async def training_figures(cfg, since: float) -> dict:
     """This call's training, from the trainer's own progress events since `since`."""
     from shared.bus import Bus
     from shared.messages import TrainerProgress
-    from shared.topology import Subjects
+    from shared.topology import Streams, Subjects
 
     async with await Bus.connect(cfg.bus, "bench", deadline_s=10) as bus:
-        train = [p async for _, p in bus.read_log("PROGRESS", Subjects.whole_run(cfg.run), 1)
+        train = [p async for _, p in bus.read_log(Streams.PROGRESS, Subjects.whole_run(cfg.run), 1)
                  if isinstance(p, TrainerProgress) and p.state == "running" and p.ts >= since]
     return {"train_steps": train[-1].step if train else 0,
             "train_wall_s": round(train[-1].ts - train[0].ts, 1) if len(train) > 1 else None,

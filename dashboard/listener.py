@@ -33,7 +33,7 @@ from shared.failures import describe
 from shared.ledger import DurableCounts, RunLedger
 from shared.messages import DeadLetter, ProgressMessage
 from shared.store import Store, StoreError
-from shared.topology import ANY, Keys, Subjects
+from shared.topology import ANY, Keys, Streams, Subjects
 from shared.view import LedgerFacts, ledger_facts
 
 log = logging.getLogger("dflash.dashboard")
@@ -134,7 +134,7 @@ class Listener:
             self._loop.close()
 
     async def _supervise(self) -> None:
-        await asyncio.gather(self._follow_forever("PROGRESS", Subjects.whole_run(self.run or ANY)), self._poll_forever())
+        await asyncio.gather(self._follow_forever(Streams.PROGRESS, Subjects.whole_run(self.run or ANY)), self._poll_forever())
 
     async def _close_bus(self) -> None:
         if self._bus is not None:
@@ -226,7 +226,7 @@ class Listener:
 
     async def _lag(self, bus: Bus) -> list[ConsumerLag]:
         out = []
-        for stream in ("PROMPTS", "SHARDS", "TOKENIZED"):
+        for stream in (Streams.PROMPTS, Streams.SHARDS, Streams.TOKENIZED):
             for info in await bus.consumer_states(stream):
                 out.append(ConsumerLag(stream, info.name, info.pending, info.ack_pending, info.redelivered))
         return out

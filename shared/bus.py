@@ -59,7 +59,7 @@ from shared.failures import (
     retry_async,
 )
 from shared.messages import Alert, DeadLetter, Message, MessageError, decode, encode
-from shared.topology import Subjects, stage_input, streams
+from shared.topology import Streams, Subjects, durable, stage_input, streams
 
 log = logging.getLogger("dflash.bus")
 
@@ -93,7 +93,7 @@ def consumer_for(stage: str, run: str, *, ack_wait_s: float = 60.0, max_ack_pend
                  max_deliver: int = 5) -> ConsumerSpec:
     """The durable consumer each stage shares between all its workers, one per run."""
     stream, subject = stage_input(stage, run)
-    return ConsumerSpec(stream, f"{stage}-{run}", subject, ack_wait_s, max_ack_pending, max_deliver, stage)
+    return ConsumerSpec(stream, durable(stage, run), subject, ack_wait_s, max_ack_pending, max_deliver, stage)
 
 
 # --- what readers get back (no nats type leaves this module) -------------------------------------
@@ -508,7 +508,7 @@ class Bus:
     async def run_missing(self, run: str) -> str:
         """"" when `run` has left anything on the bus; else one line saying why not, for read-only commands
         (status, eval, drops, replay, dashboard) to print instead of a NotFoundError from deep inside."""
-        if await self.stream_state("PROGRESS") is None:
+        if await self.stream_state(Streams.PROGRESS) is None:
             return (f"no run {run!r}: this stack has no dflash-pipeline streams yet (nothing was fed or started "
                     f"on NATS at {self.cfg.url})")
         for spec in streams(self.cfg.progress_max_age_s):  # one direct lookup per stream: cost independent of the run's size
@@ -552,7 +552,7 @@ class Bus:
                   md.num_delivered, error.splitlines()[-1] if error else "")
 
     async def dead_letters(self, run: str, stage: str = "*") -> list[tuple[int, DeadLetter]]:
-        return [item async for item in self.read_log("DEADLETTER", Subjects.deadletter(run, stage), 1, DeadLetter)]
+        return [item async for item in self.read_log(Streams.DEADLETTER, Subjects.deadletter(run, stage), 1, DeadLetter)]
 
     async def replay_dead_letters(self, run: str, stage: str = "*", *, only: Callable[[DeadLetter], bool] | None = None) -> int:
         """Put dead-lettered messages back where they came from; each is then removed from DEADLETTER.
@@ -566,7 +566,7 @@ class Bus:
                 continue
             await self.publish_raw(letter.subject, letter.payload, msg_id=f"replay:{letter.stream}:{letter.stream_seq}:{seq}")
             with contextlib.suppress(nats.js.errors.NotFoundError):
-                await self.js.delete_msg("DEADLETTER", seq)
+                await self.js.delete_msg(Streams.DEADLETTER, seq)
             count += 1
         return count
 

@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     func: Callable[[argparse.Namespace], int] = args.func
     try:
-        return int(func(args) or 0)
+        return int(func(args) or Exit.OK)
     except ConfigError as e:
         print(f"dfpipe: config error: {e}", file=sys.stderr)
         return Exit.USAGE

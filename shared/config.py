@@ -85,12 +85,14 @@ class FeederConfig(Section):
     max_prompt_tokens: int = 8192
     publish_window: int = 2000  # async publishes in flight before waiting for acks
     # A record (line, array element) longer than this is rejected unread: it bounds the feeder's memory
-    # whatever the input (a few times this, see README "Faults"), far above any prompt within max_prompt_tokens.
+    # whatever the input (a few times this, see docs/prompts.md, "What happens to bad input"), far above any prompt within max_prompt_tokens.
     max_record_bytes: int = 16 << 20
 
 
 class GeneratorConfig(Section):
-    backend: Literal["hf", "sglang", "openai", "synthetic"] = "hf"  # synthetic: a load generator, benchmarks/tests only
+    # hf (the embedded default) | sglang | openai | synthetic (a load generator, benchmarks/tests only): the kinds
+    # are registered in services/generator/backends/__init__.py, which checks this key (shared names no service)
+    backend: str = "hf"
     max_inflight: int = 16  # requests kept in flight so the engine never idles
     batch_size: int = 8  # hf backend: prompts per generate() call
     shard_records: int = 256
@@ -397,6 +399,7 @@ def load_config(path: str | os.PathLike[str] | None = None, env: dict[str, str] 
 
 
 def config_to_dict(cfg: Config) -> dict[str, Any]:
+    """The config as plain data: what a run's record holds (shared/runconfig.py)."""
     return msgspec.to_builtins(cfg)
 
 

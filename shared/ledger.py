@@ -44,7 +44,7 @@ from shared.bus import Bus, StreamState
 from shared.config import Config
 from shared.messages import Alert, ShardWritten, TokenizedShard
 from shared.store import KeyNotFound, Store, StoreError
-from shared.topology import ANY, Keys, Subjects
+from shared.topology import ANY, Keys, Streams, Subjects, durable
 
 log = logging.getLogger("dflash.ledger")
 
@@ -330,8 +330,8 @@ class Ledger:
 
 def _logs(run: str) -> list[tuple[str, str, Any]]:
     """(stream, subject, type) of each log the ledger folds."""
-    return [("SHARDS", Subjects.shards(run), ShardWritten), ("TOKENIZED", Subjects.tokenized(run), TokenizedShard),
-            ("PROGRESS", Subjects.alert(run, ANY), Alert)]
+    return [(Streams.SHARDS, Subjects.shards(run), ShardWritten), (Streams.TOKENIZED, Subjects.tokenized(run), TokenizedShard),
+            (Streams.PROGRESS, Subjects.alert(run, ANY), Alert)]
 
 
 class RunLedger:
@@ -389,7 +389,7 @@ class RunLedger:
                 # The read covered the log up to at least last_seq: what it skipped (other runs' events,
                 # progress, an undecodable message) is not read again.
                 ledger.cursor[stream] = max(ledger.cursor.get(stream, 0), info.last_seq)
-            if stream == "PROGRESS":
+            if stream == Streams.PROGRESS:
                 ledger.expire_alerts(info.first_seq)
         await asyncio.gather(self._read_manifest(), self._read_dead_letters(), self._read_prompt_queue())
         self._maybe_snapshot()
@@ -479,7 +479,7 @@ class RunLedger:
 
     async def _read_dead_letters(self) -> None:
         """Dead letters per stage as the stream has them now (one request: the server counts per subject)."""
-        info = await self.bus.stream_state("DEADLETTER", subjects_filter=Subjects.deadletter(self.run, ANY))
+        info = await self.bus.stream_state(Streams.DEADLETTER, subjects_filter=Subjects.deadletter(self.run, ANY))
         counts: dict[str, int] = {}
         for subject, n in (info.subjects if info is not None else {}).items():
             stage = subject.split(".")[2]
@@ -489,12 +489,12 @@ class RunLedger:
     async def _read_prompt_queue(self) -> None:
         """The generate consumer's in-flight and queued prompts (before any generator has started: every
         prompt fed is queued)."""
-        info = await self.bus.consumer_state("PROMPTS", f"generate-{self.run}")
+        info = await self.bus.consumer_state(Streams.PROMPTS, durable("generate", self.run))
         if info is not None:
             self.in_flight, self.queued = info.ack_pending, info.pending
             return
         self.in_flight = 0
-        sinfo = await self.bus.stream_state("PROMPTS", subjects_filter=Subjects.prompts(self.run))
+        sinfo = await self.bus.stream_state(Streams.PROMPTS, subjects_filter=Subjects.prompts(self.run))
         self.queued = sum(sinfo.subjects.values()) if sinfo is not None else 0
 
     def stages(self) -> StageCounts:

@@ -90,6 +90,22 @@ STAGES = ("feed", "generate", "tokenize", "train", "eval")
 # --- streams -----------------------------------------------------------------------------------
 
 
+class Streams:
+    """The JetStream stream names: the table below and every reader spell them from here."""
+
+    PROMPTS = "PROMPTS"
+    REGISTRY = "REGISTRY"
+    SHARDS = "SHARDS"
+    TOKENIZED = "TOKENIZED"
+    PROGRESS = "PROGRESS"
+    DEADLETTER = "DEADLETTER"
+
+
+def durable(stage: str, run: str) -> str:
+    """The durable consumer of one stage's work in one run (see `stage_input`)."""
+    return f"{_token('stage', stage)}-{_token('run', run)}"
+
+
 @dataclass(frozen=True)
 class StreamSpec:
     name: str
@@ -106,30 +122,30 @@ def streams(progress_max_age_s: float) -> list[StreamSpec]:
     """The stream table: which stream captures which subjects, and how long it keeps them (progress for
     `bus.progress_max_age_s`)."""
     return [
-        StreamSpec("PROMPTS", (Subjects.prompts(ANY),), "prompt work queue: one PromptTask per prompt",
+        StreamSpec(Streams.PROMPTS, (Subjects.prompts(ANY),), "prompt work queue: one PromptTask per prompt",
                    work_queue=True),
         StreamSpec(
-            "REGISTRY", (Subjects.registry(ANY, ANY),),
+            Streams.REGISTRY, (Subjects.registry(ANY, ANY),),
             "one message per fed prompt: dedupe that survives server restarts",
             max_msgs_per_subject=1, discard_new_per_subject=True, duplicate_window_s=120.0,
         ),
-        StreamSpec("SHARDS", (Subjects.shards(ANY),), "ShardWritten log (replayable)"),
-        StreamSpec("TOKENIZED", (Subjects.tokenized(ANY),), "TokenizedShard log (replayable)"),
+        StreamSpec(Streams.SHARDS, (Subjects.shards(ANY),), "ShardWritten log (replayable)"),
+        StreamSpec(Streams.TOKENIZED, (Subjects.tokenized(ANY),), "TokenizedShard log (replayable)"),
         StreamSpec(
-            "PROGRESS", (Subjects.progress(ANY, ANY, ANY), Subjects.alert(ANY, ANY)),
+            Streams.PROGRESS, (Subjects.progress(ANY, ANY, ANY), Subjects.alert(ANY, ANY)),
             "progress heartbeats and alerts, kept for max_age so a late dashboard sees history",
             max_age_s=progress_max_age_s, duplicate_window_s=60.0,
         ),
-        StreamSpec("DEADLETTER", (Subjects.deadletter(ANY, ANY),), "messages the pipeline gave up on, with the error"),
+        StreamSpec(Streams.DEADLETTER, (Subjects.deadletter(ANY, ANY),), "messages the pipeline gave up on, with the error"),
     ]
 
 
 def stage_input(stage: str, run: str) -> tuple[str, str]:
     """(stream, filter subject) of the work a stage consumes: one durable consumer per stage and run."""
     table = {
-        "generate": ("PROMPTS", Subjects.prompts(run)),
-        "tokenize": ("SHARDS", Subjects.shards(run)),
-        "train": ("TOKENIZED", Subjects.tokenized(run)),
+        "generate": (Streams.PROMPTS, Subjects.prompts(run)),
+        "tokenize": (Streams.SHARDS, Subjects.shards(run)),
+        "train": (Streams.TOKENIZED, Subjects.tokenized(run)),
     }
     return table[stage]
 
@@ -157,7 +173,7 @@ class Keys:
 
     @staticmethod
     def run_config(run: str) -> str:
-        """The run's resolved config (JSON)."""
+        """The run's resolved settings (JSON), written once at its start; checkpoints name it (shared/runconfig.py)."""
         return Keys.run(run) + "config.json"
 
     @staticmethod

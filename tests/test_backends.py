@@ -26,7 +26,7 @@ import httpx
 import msgspec
 import pytest
 
-from services.generator.backends import GenRequest, render_prompt
+from services.generator.backends import GenRequest, GenResult, render_prompt
 from services.generator.backends.openai import OpenAIBackend
 from services.generator.backends.sglang import SGLangBackend, parse_generate_response
 from shared.gpus import GpuGroup
@@ -222,7 +222,7 @@ async def test_sglang_real_server(stack, target_dir):
     if r.finish_reason == "stop":
         assert r.output_ids[-1] == tok.eos_token_id  # the stop token is kept in the ids
     assert tok.decode(r.output_ids, skip_special_tokens=True).strip() == r.text.strip()
-    assert msgspec.json.encode(r)
+    assert msgspec.json.decode(msgspec.json.encode(r), type=GenResult) == r  # the result survives the wire
 
 
 def test_a_template_that_cannot_render_one_message_stops_the_backend_at_start(target_dir):

@@ -119,7 +119,8 @@ def test_large_json_array_streams_across_chunks(tmp_path):
     (tmp_path / "big.json").write_text(json.dumps(recs))
     got = [r.value["prompt"] for r in read_records(tmp_path / "big.json")]
     assert got == [r["prompt"] for r in recs]
-    assert msgspec.json.decode(msgspec.json.encode(got[:1]))  # plain strings back
+    assert all(type(p) is str for p in got)  # plain strings, not wrappers of the reader's
+    assert msgspec.json.decode(msgspec.json.encode(got[:1])) == [recs[0]["prompt"]]
 
 
 # --- messy files: no record stops a feed ---------------------------------------------------------

@@ -205,7 +205,7 @@ def test_dfpipe_eval_reports_greedy_and_sampled_tau(trained) -> None:
 
 @pytest.mark.stack  # pip installs the reference
 def test_reference_reports_a_draft_vocabulary_as_unexpected(tmp_path: Path) -> None:
-    """Why a drafter with `trainer.draft_vocab` is not a served drafter (README): the reference, like
+    """Why a drafter with `trainer.draft_vocab` is not a served drafter (docs/serving.md): the reference, like
     SGLang, does not know the `draft_vocab` tensor and would propose over the whole vocabulary."""
     from types import SimpleNamespace
 

@@ -22,6 +22,7 @@ import pytest
 import shared.ledger as ledger_mod
 from shared.bus import Bus
 from shared.config import Config
+from shared.exits import Exit
 from shared.ledger import SCHEMA, Ledger, PromptSet, RunLedger, prompt_hash, prompt_hashes
 from shared.messages import Alert, DeadLetter, Message, ShardWritten, TokenizedShard
 from shared.status import run_overview, run_status
@@ -225,7 +226,7 @@ async def test_status_cli_in_a_fresh_process_reads_snapshot_plus_tail(cfg, bus, 
     expected = await replay_from_start(cfg, bus, store)
     out = subprocess.run([sys.executable, "-m", "shared.cli", "status", "--run", run, "--json"], env=stack_env,
                          capture_output=True, text=True, timeout=120)
-    assert out.returncode in (0, 1), out.stderr  # 1: a critical alert (the quality gate) is among them
+    assert out.returncode in (Exit.OK, Exit.ALERT), out.stderr  # ALERT: a critical alert (the quality gate) is among them
     st = msgspec.json.decode(out.stdout)
     for k in ("total", "completed", "completion_records", "shards", "tokenized_samples", "tokenized_shards",
               "tokenized_records", "dropped", "dead_lettered"):

@@ -15,7 +15,9 @@ import io
 import random
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -38,7 +40,7 @@ from shared.records import (
 )
 from shared.status import format_status, run_status
 from shared.store import SHA_META, Store, sha256_bytes
-from shared.topology import Keys, Subjects
+from shared.topology import Keys, Streams, Subjects, durable
 from tests.conftest import make_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -129,17 +131,43 @@ def cli(stack_env: dict, *args: str, env: dict | None = None, timeout: float = 1
 
 
 # --- a normal run ----------------------------------------------------------------------------------
+# One run of three completion shards, tokenized once per session (`normal_run`), then checked behaviour by
+# behaviour: the shards and their loading, the events, the masks, the counts, the drops, a re-announcement.
 
 
-async def test_normal_run_writes_one_loadable_deduped_shard_per_completion_shard(stack, stack_env, bus, store,
-                                                                                tmp_path):
+@dataclass
+class NormalRun:
+    cfg: Config
+    tok: Any
+    exact_answer: str
+    exact_ids: list[int]
+    odd_ids: list[int]
+    shards: list[ShardWritten]  # the three completion shards' events
+    service: TokenizerService
+    keys: list[str]  # the tokenized shards
+    frames: list[Any]  # each tokenized shard as a pandas frame
+    rows: dict[str, dict]  # prompt_id -> row, as `datasets` loads them
+    progress: list[Any]  # the tokenizer's last progress after the burst
+
+    @property
+    def run(self) -> str:
+        return self.cfg.run
+
+
+_normal_run: list[NormalRun] = []
+
+
+async def normal_run(stack, bus: Bus, store: Store, tmp_path_factory) -> NormalRun:
+    """Three completion shards (duplicates, a too-short answer, a truncated one, exact and non-canonical engine
+    ids), tokenized by one burst of the service; made once, on the first test that asks."""
+    if _normal_run:
+        return _normal_run[0]
     import datasets
     import pandas as pd
 
     cfg = make_config(stack)  # default policy: min_supervised_tokens = 2 x block size = 32
     run = cfg.run
     tok = await asyncio.to_thread(load_target_tokenizer, cfg)
-    eot = tok.eos_token  # <|im_end|>
     exact_answer = TOPICS[2][1]
     exact_ids = tok(exact_answer, add_special_tokens=False)["input_ids"]
     # An engine may emit a valid but non-canonical tokenization of its text: the first word letter by letter.
@@ -162,42 +190,56 @@ async def test_normal_run_writes_one_loadable_deduped_shard_per_completion_shard
 
     service = await burst(cfg, tok)
     assert service.tripped is None and service.counts.shards == 3
-
-    fp = service.fingerprint
+    progress = [p for _, p in await bus.latest_per_subject(Streams.PROGRESS,
+                                                           Subjects.progress(run, "tokenize", "tokenizer"))]
     keys = parquet_keys(store, run)
-    assert keys == sorted(Keys.tokenized(run, fp, shard_name(e.key)) for e in shards)
-    assert keys == [f"runs/{run}/tokenized/{fp}/gen-0.00000000.parquet",
-                    f"runs/{run}/tokenized/{fp}/gen-0.00000001.parquet",
-                    f"runs/{run}/tokenized/{fp}/gen-1.00000000.parquet"]
-
-    # Loadable with pandas and datasets (from local copies), int32 ids, the documented columns.
+    tmp = tmp_path_factory.mktemp("normal-run")
     local = []
     for k in keys:
-        path = tmp_path / k.rsplit("/", 1)[-1]
+        path = tmp / k.rsplit("/", 1)[-1]
         path.write_bytes(store.get_bytes(k))
         local.append(str(path))
-    frames = [pd.read_parquet(p) for p in local]
-    for df in frames:
+    ds = datasets.load_dataset("parquet", data_files=local, split="train", cache_dir=str(tmp / "hf"))
+    assert ds.features["input_ids"].feature.dtype == "int32"
+    _normal_run.append(NormalRun(cfg, tok, exact_answer, exact_ids, odd_ids, shards, service, keys,
+                                 [pd.read_parquet(p) for p in local], {r["prompt_id"]: r for r in ds}, progress))
+    return _normal_run[0]
+
+
+async def normal_run_events(bus: Bus, n: NormalRun) -> list[TokenizedShard]:
+    """The TokenizedShard event of each completion shard, in the shards' order."""
+    events = {e.source_key: e for e in await tokenized_events(bus, n.run)}
+    assert set(events) == {e.key for e in n.shards}
+    return [events[s.key] for s in n.shards]
+
+
+async def test_normal_run_writes_one_loadable_deduped_shard_per_completion_shard(stack, bus, store, tmp_path_factory):
+    n = await normal_run(stack, bus, store, tmp_path_factory)
+    fp, run = n.service.fingerprint, n.run
+    assert n.keys == sorted(Keys.tokenized(run, fp, shard_name(e.key)) for e in n.shards)
+    assert n.keys == [f"runs/{run}/tokenized/{fp}/gen-0.00000000.parquet",
+                      f"runs/{run}/tokenized/{fp}/gen-0.00000001.parquet",
+                      f"runs/{run}/tokenized/{fp}/gen-1.00000000.parquet"]
+    # Loadable with pandas and datasets (from local copies), int32 ids, the documented columns.
+    for df in n.frames:
         assert {"prompt_id", "input_ids", "loss_mask", "num_tokens", "num_supervised"} <= set(df.columns)
         assert all(np.asarray(ids).dtype == np.int32 for ids in df["input_ids"])
         assert (df["num_tokens"] == df["input_ids"].map(len)).all()
         assert (df["num_supervised"] == df["loss_mask"].map(lambda m: int(np.sum(m)))).all()
-    ds = datasets.load_dataset("parquet", data_files=local, split="train", cache_dir=str(tmp_path / "hf"))
-    assert ds.features["input_ids"].feature.dtype == "int32"
-    ids_all = ds["prompt_id"]
-    assert len(ids_all) == len(set(ids_all)) == 5 + 4 + 4  # every kept prompt once
+    ids_all = [pid for df in n.frames for pid in df["prompt_id"]]
+    assert sorted(ids_all) == sorted(n.rows) and len(ids_all) == 5 + 4 + 4  # every kept prompt once
     assert ids_all.count("p00001") == 1  # the duplicate across shards appears once
     assert "ok" not in ids_all and "cut" not in ids_all
 
-    # TokenizedShard events, one per shard, with their drop counts and drift.
-    events = {e.source_key: e for e in await tokenized_events(bus, run)}
-    assert set(events) == {e.key for e in shards}
-    e0, e1, e2 = (events[s.key] for s in shards)
+
+async def test_normal_run_announces_each_shard_with_its_drops_and_drift(stack, bus, store, tmp_path_factory):
+    n = await normal_run(stack, bus, store, tmp_path_factory)
+    e0, e1, e2 = await normal_run_events(bus, n)
     assert (e0.num_samples, e0.dropped, e0.retokenization_drift) == (5, {}, 0)
     assert (e1.num_samples, e1.dropped, e1.retokenization_drift) == (4, {"duplicate": 1, "below_min_supervised": 1}, 0)
     assert (e2.num_samples, e2.dropped, e2.retokenization_drift) == (4, {"truncated_generation": 1}, 1)
-    for ev, df in zip((e0, e1, e2), frames, strict=True):
-        assert ev.fingerprint == fp and ev.key in keys
+    for ev, df in zip((e0, e1, e2), n.frames, strict=True):
+        assert ev.fingerprint == n.service.fingerprint and ev.key in n.keys
         assert ev.num_tokens == int(df["num_tokens"].sum()) and ev.num_supervised == int(df["num_supervised"].sum())
         assert ev.sha256 == store.stat(ev.key).sha256
         # the histogram counts the kept samples and those dropped after tokenizing ("ok"), not duplicates
@@ -205,39 +247,47 @@ async def test_normal_run_writes_one_loadable_deduped_shard_per_completion_shard
     assert e1.supervised_histogram["2"] == 1  # "OK." + <|im_end|>: 3 supervised tokens
 
 
+async def test_normal_run_masks_the_answer_and_keeps_the_engines_ids(stack, bus, store, tmp_path_factory):
+    n = await normal_run(stack, bus, store, tmp_path_factory)
+    tok = n.tok
     # Masks: decoding the masked tokens gives the assistant's answer plus the end-of-turn token, nothing else.
-    rows = {r["prompt_id"]: r for r in ds}
-    for pid, row in rows.items():
-        answer = exact_answer if pid.startswith(("exact", "drift")) else answer_of(pid)
-        assert masked_text(tok, row["input_ids"], row["loss_mask"]) == answer + eot, pid
+    for pid, row in n.rows.items():
+        answer = n.exact_answer if pid.startswith(("exact", "drift")) else answer_of(pid)
+        assert masked_text(tok, row["input_ids"], row["loss_mask"]) == answer + tok.eos_token, pid
         assert row["loss_mask"][-1] == 0 and tok.decode(row["input_ids"][-1:]) == "\n"  # template tail, unmasked
     # Token-exact: canonical engine ids (stop token kept, or trimmed by the engine) give the re-tokenized sample;
-    # non-canonical ones are used as they are (and counted as drift above).
-    retok = SampleBuilder(tok, cfg).build([record(run, "x", "How does binary search work?", exact_answer)]).samples[0]
-    assert (rows["exact-with-stop"]["input_ids"], rows["exact-with-stop"]["loss_mask"]) == (retok.input_ids,
-                                                                                          retok.loss_mask)
-    trimmed = rows["exact-trimmed"]
-    assert [t for t, m in zip(trimmed["input_ids"], trimmed["loss_mask"], strict=True) if m] == [*exact_ids, 2]
-    drifting = rows["drifting"]
-    assert [t for t, m in zip(drifting["input_ids"], drifting["loss_mask"], strict=True) if m] == [*odd_ids, 2]
+    # non-canonical ones are used as they are (and counted as drift).
+    retok = SampleBuilder(tok, n.cfg).build([record(n.run, "x", "How does binary search work?",
+                                                    n.exact_answer)]).samples[0]
+    with_stop = n.rows["exact-with-stop"]
+    assert (with_stop["input_ids"], with_stop["loss_mask"]) == (retok.input_ids, retok.loss_mask)
+    trimmed = n.rows["exact-trimmed"]
+    assert [t for t, m in zip(trimmed["input_ids"], trimmed["loss_mask"], strict=True) if m] == [*n.exact_ids, 2]
+    drifting = n.rows["drifting"]
+    assert [t for t, m in zip(drifting["input_ids"], drifting["loss_mask"], strict=True) if m] == [*n.odd_ids, 2]
 
+
+async def test_normal_run_progress_and_status_count_the_same(stack, bus, store, tmp_path_factory):
+    n = await normal_run(stack, bus, store, tmp_path_factory)
     # Progress says what happened (the last event, published when the service stopped).
-    latest = [p for _, p in await bus.latest_per_subject("PROGRESS", Subjects.progress(run, "tokenize", "tokenizer"))]
-    assert len(latest) == 1 and isinstance(latest[0], TokenizerProgress)
-    p = latest[0]
+    assert len(n.progress) == 1 and isinstance(n.progress[0], TokenizerProgress)
+    p = n.progress[0]
     assert (p.shards, p.samples_in, p.samples_kept, p.retokenization_drift, p.state) == (3, 16, 13, 1, "stopped")
     assert p.dropped == {"duplicate": 1, "below_min_supervised": 1, "truncated_generation": 1}
     assert not p.gate_tripped
-
     # `dfpipe status` reads the same numbers from the shard events.
-    st = await run_status(cfg, bus, store)
+    st = await run_status(n.cfg, bus, store)
     assert (st.tokenized_samples, st.tokenized_records, st.tokenized_shards) == (13, 16, 3)
     assert st.dropped == {"duplicate": 1, "below_min_supervised": 1, "truncated_generation": 1}
     text = format_status(st)
     assert "13 samples kept of 16 records, 3/3 shards" in text and "below_min_supervised 1" in text, text
 
+
+async def test_normal_run_drops_are_listed_beside_the_shards(stack, stack_env, bus, store, tmp_path_factory):
+    n = await normal_run(stack, bus, store, tmp_path_factory)
+    fp, run = n.service.fingerprint, n.run
     # `dfpipe drops` lists the dropped records (not the duplicate) from the per-shard lists beside the shards.
-    assert [k.rsplit("/", 1)[1] for k in store.list(f"runs/{run}/tokenized/{fp}/drops/")] == [
+    assert [k.rsplit("/", 1)[1] for k in store.list(Keys.tokenized_prefix(run, fp) + "drops/")] == [
         "gen-0.00000001.jsonl", "gen-1.00000000.jsonl"]  # none for the shard that dropped nothing
     r = cli(stack_env, "drops", "--run", run)
     assert r.returncode == 0, r.stderr
@@ -246,27 +296,33 @@ async def test_normal_run_writes_one_loadable_deduped_shard_per_completion_shard
     r = cli(stack_env, "drops", "--run", run, "--reason", "template_error")
     assert "no dropped records with reason template_error" in r.stdout, r.stdout
 
+
+async def test_normal_run_reannounces_stored_shards_after_a_restart(stack, bus, store, tmp_path_factory):
+    n = await normal_run(stack, bus, store, tmp_path_factory)
+    fp, run = n.service.fingerprint, n.run
+    events = await normal_run_events(bus, n)
     # Each shard holds its build's summary, from which a re-announcement is made: a restarted tokenizer whose
     # rebuilds differ from the stored shards (every prompt is a duplicate now) announces the stored ones.
-    for ev in (e0, e1, e2):
+    for ev in events:
         summary = read_samples_summary(store.get_bytes(ev.key))
         drops = summary.pop("drops")
         assert summary == {"dropped": ev.dropped, "retokenization_drift": ev.retokenization_drift,
                            "supervised_histogram": ev.supervised_histogram}
-        assert len(drops) == sum(n for r, n in ev.dropped.items() if r != "duplicate")
+        assert len(drops) == sum(k for r, k in ev.dropped.items() if r != "duplicate")
     # The drop lists lost (a crash between the shard and its list): the re-announcement writes them again.
-    lists = {k: store.get_bytes(k) for k in store.list(f"runs/{run}/tokenized/{fp}/drops/")}
+    drops_prefix = Keys.tokenized_prefix(run, fp) + "drops/"
+    lists = {k: store.get_bytes(k) for k in store.list(drops_prefix)}
     for k in lists:
         store.delete(k)
-    await bus.js.delete_consumer("SHARDS", f"tokenize-{run}")
-    again = await burst(cfg, tok)
+    await bus.js.delete_consumer(Streams.SHARDS, durable("tokenize", run))
+    again = await burst(n.cfg, n.tok)
     assert again.counts.skipped_shards == 3 and again.counts.shards == 0
-    assert {k: store.get_bytes(k) for k in store.list(f"runs/{run}/tokenized/{fp}/drops/")} == lists
+    assert {k: store.get_bytes(k) for k in store.list(drops_prefix)} == lists
     # What such a re-announcement publishes (here a duplicate message id, so not stored again): the original event.
-    service = TokenizerService(cfg, bus, store, tok)
+    service = TokenizerService(n.cfg, bus, store, n.tok)
     await service.prepare()
-    announced = await service.process(shards[1])
-    assert msgspec.structs.replace(announced, ts=0.0) == msgspec.structs.replace(e1, ts=0.0)
+    announced = await service.process(n.shards[1])
+    assert msgspec.structs.replace(announced, ts=0.0) == msgspec.structs.replace(events[1], ts=0.0)
 
 
 async def test_a_deliberate_regeneration_replaces_the_old_sample(stack, bus, store):

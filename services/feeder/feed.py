@@ -24,8 +24,9 @@ from shared.bus import Bus, ProgressLoop
 from shared.config import Config, fingerprint
 from shared.messages import ChatMessage, FeederProgress, PromptTask
 from shared.records import jsonl_line
+from shared.runconfig import record_run_config
 from shared.store import Store
-from shared.topology import ANY, Keys, Subjects
+from shared.topology import ANY, Keys, Streams, Subjects
 
 from .normalize import RejectedRecord, UnknownShape, normalize, prompt_id
 from .reasons import Reason
@@ -173,12 +174,12 @@ class Feeder:
 
     async def _registered(self, ids: list[str]) -> list[bool]:
         async def one(pid: str) -> bool:
-            return await self.bus.last_msg("REGISTRY", Subjects.registry(self.run, pid), direct=True) is not None
+            return await self.bus.last_msg(Streams.REGISTRY, Subjects.registry(self.run, pid), direct=True) is not None
 
         return list(await asyncio.gather(*(one(pid) for pid in ids)))
 
     async def _has_registry(self) -> bool:
-        return await self.bus.last_msg("REGISTRY", Subjects.registry(self.run, ANY)) is not None
+        return await self.bus.last_msg(Streams.REGISTRY, Subjects.registry(self.run, ANY)) is not None
 
     async def _publish(self, batch: list[PromptTask]) -> None:
         if self._resume:
@@ -285,6 +286,7 @@ class Feeder:
 
     async def feed(self, sources: list[str]) -> FeedSummary:
         started = time.monotonic()
+        await asyncio.to_thread(record_run_config, self.store, self.cfg)  # a run fed without `dfpipe run`
         self._resume = await self._has_registry()
         fd, tmp = tempfile.mkstemp(prefix="dflash-rejects-", suffix=".jsonl")
         try:

@@ -14,6 +14,8 @@ import msgspec
 from shared.exits import Exit
 from shared.gpus import GpuGroup, LayoutError, parse_layout
 
+from .backends import backend_kinds, check_kind
+
 
 def engine_group(gpu: int | None, gpus: str | None, tp: int) -> GpuGroup | None:
     """The one GPU group this worker's engine runs on (`--gpu N`, or `--gpus` + `--tp` naming one group)."""
@@ -52,6 +54,7 @@ def _generate(args: argparse.Namespace) -> int:
         overrides["launch"] = True
     if overrides:
         cfg = msgspec.structs.replace(cfg, generator=msgspec.structs.replace(g, **overrides))
+    check_kind(cfg.generator.backend)
     label = group.label if group else "0"
     worker = check_name("worker", args.worker or f"{socket.gethostname().split('.')[0]}-gpu{label}")
     stats = asyncio.run(run_generator(cfg, worker, gpus=group))
@@ -166,7 +169,7 @@ def register(sub: Any, replay: Any) -> None:
     p.add_argument("--gpus", default=None, help="the GPU group of this worker's engine, e.g. 2-3 (or 2,3 --tp 2): "
                                                 "CUDA_VISIBLE_DEVICES=2,3 and --tp-size 2 for a launched SGLang")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (with --gpus)")
-    p.add_argument("--backend", choices=["hf", "sglang", "openai", "synthetic"], default=None)
+    p.add_argument("--backend", choices=backend_kinds(), default=None)
     p.add_argument("--engine-url", default=None, help="sglang/openai server URL")
     p.add_argument("--launch", action="store_true", help="sglang: start a server for this GPU")
     p.set_defaults(func=_generate)

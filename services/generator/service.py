@@ -26,7 +26,7 @@ from shared.messages import GeneratorProgress, PromptTask
 from shared.records import CompletionRecord
 from shared.service import Consumer, Context, Progress, Service, serve
 from shared.store import Store
-from shared.topology import Subjects
+from shared.topology import Streams, Subjects
 
 from .backends import Backend, EngineError, GenRequest, PromptRefused, make_backend
 from .shards import ShardWriter
@@ -107,8 +107,6 @@ class Generator:
         task: PromptTask = d.data
         if task.run != self.run:
             raise Poison(f"task for run {task.run!r} on run {self.run!r}'s subject")
-        if not task.messages:
-            raise Poison("task has no messages")
         req = GenRequest(prompt_id=task.prompt_id, messages=task.messages, attempt=d.num_delivered)
         async with self.engine_slots:
             self.in_engine += 1
@@ -158,7 +156,7 @@ class Generator:
             self.completions += mine.records
             self.completion_tokens += mine.completion_tokens
             self.shards.shards_written += mine.shards
-        for _, last in await self.bus.latest_per_subject("PROGRESS", subject):
+        for _, last in await self.bus.latest_per_subject(Streams.PROGRESS, subject):
             if isinstance(last, GeneratorProgress):
                 self.prompt_tokens += last.prompt_tokens
                 self.engine_errors += last.errors

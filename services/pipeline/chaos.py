@@ -46,7 +46,7 @@ from shared.records import dedupe_completions, read_completions, read_sample_gen
 from shared.stack import EmbeddedStack, Ports
 from shared.status import run_overview
 from shared.store import Store
-from shared.topology import ANY, Keys, Subjects
+from shared.topology import ANY, Keys, Streams, Subjects
 
 from .run import BUNDLED_PROMPTS, RunRequest, service_specs
 from .supervisor import Supervisor
@@ -341,9 +341,9 @@ class Chaos:
         f, fail = self.report.figures, self.report.failures
         async with await Bus.connect(cfg.bus, "chaos-verify", deadline_s=30) as bus:
             st = await run_status(cfg, bus, store)
-            shards = [e async for _, e in bus.read_log("SHARDS", Subjects.shards(self.run), 1, ShardWritten)]
-            tokenized = [e async for _, e in bus.read_log("TOKENIZED", Subjects.tokenized(self.run), 1, TokenizedShard)]
-            trainer = await bus.latest_per_subject("PROGRESS", Subjects.progress(self.run, "train", ANY))
+            shards = [e async for _, e in bus.read_log(Streams.SHARDS, Subjects.shards(self.run), 1, ShardWritten)]
+            tokenized = [e async for _, e in bus.read_log(Streams.TOKENIZED, Subjects.tokenized(self.run), 1, TokenizedShard)]
+            trainer = await bus.latest_per_subject(Streams.PROGRESS, Subjects.progress(self.run, "train", ANY))
         dead_gen, dead_tok = st.dead_lettered.get("generate", 0), st.dead_lettered.get("tokenize", 0)
         f["prompts accepted"] = st.total
         f["completion shards"] = len({e.key for e in shards})

@@ -8,6 +8,7 @@ import os
 import sys
 from typing import Any
 
+from services.generator.backends import backend_kinds, check_kind
 from shared.exits import Exit
 
 
@@ -90,6 +91,7 @@ def _run(args: argparse.Namespace) -> int:
         args.config = str(DEMO_CONFIG)
         print(f"no --prompts and no --config: the bundled demo ({BUNDLED_PROMPTS.name}, CC0) with {DEMO_CONFIG}")
     base = load_config(args.config)
+    check_kind(args.backend or base.generator.backend)  # a typo is said now, not as a generator's crash loop
     from shared.gpus import LayoutError
 
     try:  # a layout that cannot run is said before the stack starts
@@ -155,7 +157,7 @@ def register(sub: Any, replay: Any) -> None:
     p.add_argument("--train-ranks", type=int, default=None,
                    help="CPU only: train under torchrun with this many gloo ranks (layout.cpu_train_ranks)")
     p.add_argument("--generators", type=int, default=1, help="generators on CPU when no --gpus")
-    p.add_argument("--backend", choices=["hf", "sglang", "openai", "synthetic"], default=None)
+    p.add_argument("--backend", choices=backend_kinds(), default=None)
     p.add_argument("--no-train", action="store_true", help="stop after tokenization")
     p.add_argument("--no-dashboard", action="store_true")
     p.add_argument("--plain", action="store_true", help="log lines instead of the live display")

@@ -30,6 +30,7 @@ from shared.failures import Failure, classify, describe, retry_async
 from shared.gpus import GpuGroup
 from shared.ledger import RunLedger, StageCounts, generation_done, tokenization_done
 from shared.messages import Alert
+from shared.runconfig import record_run_config
 from shared.status import RunOverview, RunStatus, duration, rate_text, run_overview, run_status, training_text
 from shared.store import Store
 from shared.topology import Keys, Subjects
@@ -184,6 +185,9 @@ class Unreachable:
 async def run_pipeline(cfg: Config, request: RunRequest, *, env: dict[str, str], show: bool = True,
                        poll_s: float = 2.0) -> int:
     store = await asyncio.to_thread(Store.open, cfg)
+    started_with = msgspec.structs.replace(
+        cfg, generator=msgspec.structs.replace(cfg.generator, backend=request.backend)) if request.backend else cfg
+    await asyncio.to_thread(record_run_config, store, started_with)  # the run's settings, once, at its start
     logs = data_dir(cfg) / "runs" / cfg.run / "logs"
     async with await Bus.connect(cfg.bus, "dflash-run", deadline_s=30) as bus:
         await bus.ensure_streams()
@@ -255,7 +259,7 @@ async def run_pipeline(cfg: Config, request: RunRequest, *, env: dict[str, str],
         report = None
         if request.train:
             proc = await asyncio.create_subprocess_exec(*cli_argv("eval", "--run", cfg.run), env={**os.environ, **env})
-            if await proc.wait() != 0:
+            if await proc.wait() != Exit.OK:
                 print("eval failed (see above)")
                 outcome = Exit.EVAL_FAILED
             else:
@@ -291,7 +295,7 @@ def print_artifacts(cfg: Config, store: Store, report: dict | None, st: RunStatu
 
 
 # What the first eval a newcomer sees means (the demo: a 135M target on a 2-core CPU, a short training), from
-# measurements on such a machine (bench/results/train_quality.json; README, "Status of this build").
+# measurements on such a machine (bench/results/train_quality.json; bench/README.md).
 EXPECTED_ON_A_SMALL_CPU = (
     "  what to expect on this CPU: τ (tokens per cycle, bonus included) is the drafter's quality. The demo\n"
     "  (350 prompts, 4 epochs of a two-layer DFlash 2 drafter) ends near τ 1.9 (measured alone on 2 cores:\n"

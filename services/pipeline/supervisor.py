@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shared.exits import Exit
 from shared.failures import backoff_s
 
 log = logging.getLogger("dflash.supervisor")
@@ -98,7 +99,7 @@ class Supervisor:
             if self._stopping.is_set() or st.stop_requested:
                 st.state = "stopped"
                 return
-            if code == 0 and st.spec.one_shot:
+            if code == Exit.OK and st.spec.one_shot:
                 st.state = "done"
                 log.info("%s finished", st.spec.name)
                 return

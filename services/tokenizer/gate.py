@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shared.messages import Alert
-from shared.topology import Subjects
+from shared.topology import Streams, Subjects
 
 STAGE = "tokenize"
 KIND = "quality_gate"
@@ -120,13 +120,7 @@ def gate_alert(run: str, worker: str, fingerprint: str, verdict: GateVerdict, *,
 async def gate_alerts(bus: Any, run: str) -> list[Alert]:
     """Every quality-gate Alert of a run, oldest first (from the PROGRESS stream's history)."""
     out = []
-    async for _, msg in bus.read_log("PROGRESS", Subjects.alert(run, STAGE), 1, Alert):
+    async for _, msg in bus.read_log(Streams.PROGRESS, Subjects.alert(run, STAGE), 1, Alert):
         if msg.kind == KIND:
             out.append(msg)
     return out
-
-
-async def latest_gate_alert(bus: Any, run: str) -> Alert | None:
-    """The last quality-gate Alert of a run, for `dfpipe status` and the dashboard; None if it never tripped."""
-    alerts = await gate_alerts(bus, run)
-    return alerts[-1] if alerts else None

@@ -19,7 +19,7 @@ from shared.config import Config
 from shared.failures import Poison, Retry
 from shared.messages import ShardWritten
 from shared.store import Store
-from shared.topology import Subjects
+from shared.topology import Streams, Subjects
 
 from .gate import STAGE
 from .service import GateTripped, TokenizerService
@@ -48,7 +48,7 @@ async def replay_tokenize(cfg: Config, bus: Bus, store: Store, tokenizer: Any, *
     async with ProgressLoop(bus, subject, service.snapshot, every_s=progress_every_s):
         await service.prepare()
         service.state = "replaying"
-        async for seq, ev in bus.read_log("SHARDS", Subjects.shards(cfg.run), from_seq, ShardWritten):
+        async for seq, ev in bus.read_log(Streams.SHARDS, Subjects.shards(cfg.run), from_seq, ShardWritten):
             summary.shards += 1
             summary.last_seq = seq
             before = service.counts.skipped_shards

@@ -33,7 +33,10 @@ def save_checkpoint(store: Store, run: str, step: int, drafter: DFlashDrafter, s
         for path in sorted(tmp.rglob("*")):
             if path.is_file():
                 store.put_file(prefix + str(path.relative_to(tmp)), path)
-        store.put_bytes(Keys.checkpoint_latest(run), json.dumps({"step": step, "key": prefix}).encode(), "application/json")
+        # the pointer names the run's recorded settings too (shared/runconfig.py), so a reader of the
+        # checkpoint finds what it was trained with
+        pointer = {"step": step, "key": prefix, "run_config": Keys.run_config(run)}
+        store.put_bytes(Keys.checkpoint_latest(run), json.dumps(pointer).encode(), "application/json")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     log.info("checkpoint %s", prefix)

@@ -24,81 +24,10 @@ def _train(args: argparse.Namespace) -> int:
     return Exit.OK if p.state == "done" else Exit.STOPPED  # "stopped": resumable, not finished
 
 
-def same_evaluation(report: Any, ckpt: str, prompts: int, max_new: int, sampling: Any, seeds: int) -> bool:
-    """Whether `report` already evaluated this checkpoint with these settings (then `dfpipe eval` reuses it)."""
-    return (report.checkpoint_key == ckpt and report.prompts == prompts and report.max_new_tokens == max_new
-            and (report.temperature, report.top_p, report.top_k) == (sampling.temperature, sampling.top_p, sampling.top_k)
-            and (sampling.greedy or report.seeds == seeds))
-
-
-async def _eval_async(cfg: Any, limit: int | None, sampling: Any = None, seeds: int = 1, force: bool = False) -> dict:
-    """The eval's numbers (`reused`: True when the run's report already had them: same checkpoint and settings)."""
-    import msgspec
-    import torch
-
-    from shared.bus import Bus
-    from shared.messages import EvalReport
-    from shared.store import Store
-    from shared.topology import Keys, Subjects
-
-    from .data import held_out_prompts
-    from .drafters import load_drafter
-    from .eval import GREEDY, evaluate
-    from .features import Target
-
-    store = await asyncio.to_thread(Store.open, cfg)
-    async with await Bus.connect(cfg.bus, "eval", deadline_s=30) as bus:
-        if missing := await bus.run_missing(cfg.run):
-            print(f"dfpipe eval: {missing}", file=sys.stderr)
-            raise SystemExit(Exit.USAGE)
-        prompts = await held_out_prompts(cfg, store, bus, limit)
-        if not prompts:
-            raise SystemExit(f"dfpipe eval: run {cfg.run} has no held-out samples (trainer.holdout_mod)")
-        ckpt = json.loads(await asyncio.to_thread(store.get_bytes, Keys.checkpoint_latest(cfg.run)))["key"]
-        sampling = sampling or GREEDY
-        max_new = cfg.trainer.eval_max_new_tokens
-        if not force and await asyncio.to_thread(store.exists, Keys.eval_report(cfg.run)):
-            # a restart (compose `up` again, a rerun of the pipeline) does not redo minutes of decoding for the
-            # same checkpoint: the report already holds them
-            old = msgspec.json.decode(await asyncio.to_thread(store.get_bytes, Keys.eval_report(cfg.run)),
-                                      type=EvalReport)
-            if same_evaluation(old, ckpt, len(prompts), max_new, sampling, seeds):
-                return {**msgspec.to_builtins(old), "cycles": sum(old.acceptance_histogram), "reused": True}
-
-        def run() -> dict:
-            import tempfile
-            from pathlib import Path
-
-            from shared.model import load_causal_lm, load_tokenizer
-
-            with tempfile.TemporaryDirectory() as tmp:
-                for name in ("config.json", "model.safetensors"):
-                    store.get_file(f"{ckpt}drafter/{name}", Path(tmp) / name)
-                drafter = load_drafter(Path(tmp), f"run {cfg.run}: checkpoint {ckpt}")
-            lm = load_causal_lm(cfg.model.target)
-            tok = load_tokenizer(cfg.model.target)
-            eos = lm.generation_config.eos_token_id
-            eos = set(eos if isinstance(eos, list) else [eos if eos is not None else tok.eos_token_id])
-            torch.manual_seed(0)
-            return evaluate(Target(lm, drafter.config.target_layer_ids), drafter, prompts, max_new, eos, sampling,
-                            seeds)
-
-        r = await asyncio.to_thread(run)
-        report = EvalReport(run=cfg.run, checkpoint_key=ckpt, prompts=r["prompts"], tau=r["tau"],
-                            acceptance_histogram=r["acceptance_histogram"], speedup=r["speedup"],
-                            lossless=r["lossless"], mismatches=r["mismatches"], temperature=r["temperature"],
-                            top_p=r["top_p"], top_k=r["top_k"], seeds=r["seeds"], tau_per_seed=r["tau_per_seed"],
-                            tau_std=r["tau_std"], max_new_tokens=max_new)
-        await asyncio.to_thread(store.put_bytes, Keys.eval_report(cfg.run), msgspec.json.encode(report),
-                                "application/json")
-        await bus.publish(Subjects.progress(cfg.run, "eval", "eval"), report)
-        return {**r, "reused": False}
-
-
 def _eval(args: argparse.Namespace) -> int:
     from shared.cli import load
 
-    from .eval import Sampling
+    from .eval import EvalRefused, Sampling, evaluate_run
 
     try:
         sampling = Sampling(args.temperature, args.top_p, args.top_k)
@@ -107,21 +36,26 @@ def _eval(args: argparse.Namespace) -> int:
     if args.seeds < 1:
         raise SystemExit(f"dfpipe eval: --seeds must be >= 1, not {args.seeds}")
     cfg = load(args)
-    r = asyncio.run(_eval_async(cfg, args.prompts, sampling, args.seeds, force=args.force))
-    if r["reused"]:
-        print(f"eval {cfg.run}: checkpoint {r['checkpoint_key']} was already evaluated with these settings; "
+    try:
+        r, reused = asyncio.run(evaluate_run(cfg, args.prompts, sampling, args.seeds, force=args.force))
+    except EvalRefused as e:
+        print(f"dfpipe eval: {e}", file=sys.stderr)
+        return e.exit_code
+    if reused:
+        print(f"eval {cfg.run}: checkpoint {r.checkpoint_key} was already evaluated with these settings; "
               "its report is kept (--force evaluates again)")
+    cycles = sum(r.acceptance_histogram)
     if sampling.greedy:
-        print(f"eval {cfg.run}: τ = {r['tau']:.3f} over {r['cycles']} cycles on {r['prompts']} held-out prompts; "
-              f"speedup {r['speedup']:.2f}x vs greedy; lossless: {r['lossless']} ({r['mismatches']} mismatches)")
+        print(f"eval {cfg.run}: τ = {r.tau:.3f} over {cycles} cycles on {r.prompts} held-out prompts; "
+              f"speedup {r.speedup:.2f}x vs greedy; lossless: {r.lossless} ({r.mismatches} mismatches)")
     else:
-        per_seed = ", ".join(f"{t:.3f}" for t in r["tau_per_seed"])
+        per_seed = ", ".join(f"{t:.3f}" for t in r.tau_per_seed)
         print(f"eval {cfg.run}: temperature {sampling.temperature}, top-p {sampling.top_p}, top-k {sampling.top_k}: "
-              f"τ = {r['tau']:.3f} ± {r['tau_std']:.3f} (sd over {r['seeds']} seeds: {per_seed}) over {r['cycles']} "
-              f"cycles on {r['prompts']} held-out prompts; speedup {r['speedup']:.2f}x vs plain sampling "
+              f"τ = {r.tau:.3f} ± {r.tau_std:.3f} (sd over {r.seeds} seeds: {per_seed}) over {cycles} "
+              f"cycles on {r.prompts} held-out prompts; speedup {r.speedup:.2f}x vs plain sampling "
               f"(tokens/s); lossless by the rejection rule (sampled outputs are not compared token by token)")
-    print(f"  acceptance histogram (tokens per cycle): {r['acceptance_histogram']}")
-    return Exit.OK if r["lossless"] is not False else Exit.FAILED
+    print(f"  acceptance histogram (tokens per cycle): {r.acceptance_histogram}")
+    return Exit.OK if r.lossless is not False else Exit.FAILED
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -150,13 +84,13 @@ def _plan(args: argparse.Namespace) -> int:
         from shared.bus import Bus
         from shared.cli import load
         from shared.messages import GeneratorProgress
-        from shared.topology import ANY, Subjects
+        from shared.topology import ANY, Streams, Subjects
 
         cfg = load(argparse.Namespace(config=args.config, run=args.live_run))
 
         async def live() -> tuple[float, int]:
             async with await Bus.connect(cfg.bus, "plan", deadline_s=10) as bus:
-                latest = await bus.latest_per_subject("PROGRESS", Subjects.progress(cfg.run, "generate", ANY))
+                latest = await bus.latest_per_subject(Streams.PROGRESS, Subjects.progress(cfg.run, "generate", ANY))
             rates = [p.completion_tokens_per_s for _, p in latest if isinstance(p, GeneratorProgress)
                      and p.state == "running"]
             return (sum(rates) / len(rates) if rates else 0.0), len(rates)

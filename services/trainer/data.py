@@ -36,7 +36,7 @@ from shared.failures import Poison
 from shared.messages import TokenizedShard
 from shared.records import RecordError, TokenizedSample
 from shared.store import ChecksumMismatch, KeyNotFound, Store
-from shared.topology import Subjects
+from shared.topology import Streams, Subjects
 
 
 def newest_keys(shards: dict[str, tuple[str, int]]) -> list[str]:
@@ -126,7 +126,7 @@ class ShardFeed:
 async def shard_keys(bus: Bus, run: str) -> list[str]:
     """The newest fingerprint's shard keys, read from the whole log (for `dfpipe eval` and readers)."""
     shards: dict[str, tuple[str, int]] = {}
-    async for seq, e in bus.read_log("TOKENIZED", Subjects.tokenized(run), 1, TokenizedShard):
+    async for seq, e in bus.read_log(Streams.TOKENIZED, Subjects.tokenized(run), 1, TokenizedShard):
         if e.num_samples > 0:
             shards.setdefault(e.key, (e.fingerprint, seq))  # a key's first announcement
     return newest_keys(shards)

@@ -18,17 +18,35 @@ another proposal (a DFlash 2 selector walk) passes its own and keeps this loop a
 
 from __future__ import annotations
 
+import asyncio
 import inspect
+import json
+import logging
 import math
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 
+from shared.bus import Bus
+from shared.config import Config
+from shared.exits import Exit
+from shared.messages import EvalReport
+from shared.runconfig import read_run_config
+from shared.store import Store
+from shared.topology import Keys, Subjects
+
+from .data import held_out_prompts
+from .drafters import load_drafter
 from .features import Target
 from .model import DFlashDrafter
+
+log = logging.getLogger("dflash.eval")
 
 
 @dataclass(frozen=True)
@@ -204,10 +222,10 @@ def speculative(target: Target, drafter: DFlashDrafter, prompt: list[int], max_n
 
 
 def evaluate(target: Target, drafter: DFlashDrafter, prompts: list[list[int]], max_new: int, eos: set[int],
-             sampling: Sampling = GREEDY, seeds: int = 1) -> dict[str, Any]:
-    """τ, its acceptance histogram and the speedup over plain decoding. Greedy: one pass, each output checked
-    against plain greedy decoding. Sampled: one pass per seed (seed s drives both the speculative run and
-    the plain one it is timed against); τ is reported per seed with its mean and spread."""
+             sampling: Sampling = GREEDY, seeds: int = 1, *, run: str, checkpoint_key: str = "") -> EvalReport:
+    """τ, its acceptance histogram and the speedup over plain decoding, as the run's EvalReport. Greedy: one
+    pass, each output checked against plain greedy decoding. Sampled: one pass per seed (seed s drives both the
+    speculative run and the plain one it is timed against); τ is reported per seed with its mean and spread."""
     drafter.eval()
     B = drafter.config.block_size
     hist = [0] * (B + 1)
@@ -235,8 +253,81 @@ def evaluate(target: Target, drafter: DFlashDrafter, prompts: list[list[int]], m
     spread = (sum((t - sum(taus) / len(taus)) ** 2 for t in taus) / (len(taus) - 1)) ** 0.5 if len(taus) > 1 else 0.0
     # tokens per second, speculative over plain (greedy: the same tokens, so the ratio of times)
     speedup = (n_spec / max(t_spec, 1e-9)) / max(n_plain / max(t_plain, 1e-9), 1e-9)
-    return {"prompts": len(prompts), "tau": tau, "acceptance_histogram": hist, "speedup": speedup,
-            "lossless": mismatches == 0 if sampling.greedy else None, "mismatches": mismatches,
-            "cycles": len(cycles_all), "temperature": sampling.temperature, "top_p": sampling.top_p,
-            "top_k": sampling.top_k, "seeds": len(taus), "tau_per_seed": taus, "tau_std": spread}
+    return EvalReport(run=run, checkpoint_key=checkpoint_key, prompts=len(prompts), tau=tau,
+                      acceptance_histogram=hist, speedup=speedup,
+                      lossless=mismatches == 0 if sampling.greedy else None, mismatches=mismatches,
+                      temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, seeds=len(taus),
+                      tau_per_seed=taus, tau_std=spread, max_new_tokens=max_new)
 
+
+# --- a run's eval: `dfpipe eval` ------------------------------------------------------------------
+
+
+class EvalRefused(Exception):
+    """There is nothing to evaluate (no such run, no held-out sample): the reason, and the exit it means."""
+
+    def __init__(self, message: str, exit_code: Exit) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def same_evaluation(report: EvalReport, ckpt: str, prompts: int, max_new: int, sampling: Sampling, seeds: int) -> bool:
+    """Whether `report` already evaluated this checkpoint with these settings (then `dfpipe eval` reuses it)."""
+    return (report.checkpoint_key == ckpt and report.prompts == prompts and report.max_new_tokens == max_new
+            and (report.temperature, report.top_p, report.top_k) == (sampling.temperature, sampling.top_p, sampling.top_k)
+            and (sampling.greedy or report.seeds == seeds))
+
+
+def _reusable_report(store: Store, cfg: Config, ckpt: str, prompts: int, sampling: Sampling,
+                     seeds: int) -> EvalReport | None:
+    """The run's report when it already holds this checkpoint and these settings: a restart (compose `up`
+    again, a rerun of the pipeline) does not redo minutes of decoding."""
+    if not store.exists(Keys.eval_report(cfg.run)):
+        return None
+    old = msgspec.json.decode(store.get_bytes(Keys.eval_report(cfg.run)), type=EvalReport)
+    return old if same_evaluation(old, ckpt, prompts, cfg.trainer.eval_max_new_tokens, sampling, seeds) else None
+
+
+def _evaluate_checkpoint(cfg: Config, store: Store, ckpt: str, prompts: list[list[int]], sampling: Sampling,
+                         seeds: int) -> EvalReport:
+    """Load the checkpoint's drafter and the target, then decode (blocking: run it off the event loop)."""
+    from shared.model import load_causal_lm, load_tokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in ("config.json", "model.safetensors"):
+            store.get_file(f"{ckpt}drafter/{name}", Path(tmp) / name)
+        drafter = load_drafter(Path(tmp), f"run {cfg.run}: checkpoint {ckpt}")
+    lm = load_causal_lm(cfg.model.target)
+    tok = load_tokenizer(cfg.model.target)
+    eos = lm.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos if eos is not None else tok.eos_token_id])
+    torch.manual_seed(0)
+    return evaluate(Target(lm, drafter.config.target_layer_ids), drafter, prompts, cfg.trainer.eval_max_new_tokens,
+                    eos, sampling, seeds, run=cfg.run, checkpoint_key=ckpt)
+
+
+async def evaluate_run(cfg: Config, limit: int | None = None, sampling: Sampling = GREEDY, seeds: int = 1,
+                       force: bool = False) -> tuple[EvalReport, bool]:
+    """The run's latest checkpoint on its held-out prompts: the report, written to S3 and published, and
+    whether it was reused (the run's report already held this checkpoint and these settings; `force` decodes
+    again). Raises EvalRefused when there is nothing to evaluate."""
+    store = await asyncio.to_thread(Store.open, cfg)
+    async with await Bus.connect(cfg.bus, "eval", deadline_s=30) as bus:
+        if missing := await bus.run_missing(cfg.run):
+            raise EvalRefused(missing, Exit.USAGE)
+        recorded = await asyncio.to_thread(read_run_config, store, cfg.run)
+        if recorded is not None and recorded.model.target != cfg.model.target:
+            log.warning("run %s was made with target %s; evaluating against %s (model.target)", cfg.run,
+                        recorded.model.target, cfg.model.target)
+        prompts = await held_out_prompts(cfg, store, bus, limit)
+        if not prompts:
+            raise EvalRefused(f"run {cfg.run} has no held-out samples (trainer.holdout_mod)", Exit.FAILED)
+        ckpt = json.loads(await asyncio.to_thread(store.get_bytes, Keys.checkpoint_latest(cfg.run)))["key"]
+        if not force and (old := await asyncio.to_thread(_reusable_report, store, cfg, ckpt, len(prompts),
+                                                          sampling, seeds)):
+            return old, True
+        report = await asyncio.to_thread(_evaluate_checkpoint, cfg, store, ckpt, prompts, sampling, seeds)
+        await asyncio.to_thread(store.put_bytes, Keys.eval_report(cfg.run), msgspec.json.encode(report),
+                                "application/json")
+        await bus.publish(Subjects.progress(cfg.run, "eval", "eval"), report)
+        return report, False

@@ -24,6 +24,7 @@ from shared.config import Config
 from shared.failures import Failure, classify, describe
 from shared.ledger import RunLedger, data_complete
 from shared.messages import TrainerProgress
+from shared.runconfig import record_run_config, settings_fingerprint
 from shared.store import Store
 from shared.topology import Keys, Subjects
 
@@ -53,15 +54,15 @@ class Trainer:
         self.target, self.drafter, self.tok = build(cfg, dev)
         t = cfg.trainer
         self.opt = torch.optim.AdamW(self.drafter.parameters(), lr=t.lr, weight_decay=t.weight_decay)
-        self.optimizer_step = DrafterStep(t, self.target, self.drafter, self.opt, dev, self.dist,
-                                          autocast_dtype(t.autocast, torch.device(dev)),
-                                          autocast_dtype(t.target_autocast, torch.device(dev)))
+        self.drafter_step = DrafterStep(t, self.target, self.drafter, self.opt, dev, self.dist,
+                                        autocast_dtype(t.autocast, torch.device(dev)),
+                                        autocast_dtype(t.target_autocast, torch.device(dev)))
         self.packing = Packing(token_budget=t.token_budget, max_length=t.max_length,
                                micro_per_step=t.grad_accum * self.dist.world)  # every rank's micro-batches
-        self.step = 0
+        self.steps_done = 0  # optimizer steps taken in this run (a resume goes on from the checkpoint's)
         self.schedule = StepSchedule(total=0, warmup=1)  # made when the data is first there, or from a checkpoint
         self.cursor = Cursor()
-        self.sched: Any = None
+        self.lr_scheduler: Any = None  # torch LambdaLR over `schedule`
         self.last = TrainerProgress(run=self.run, worker=worker, state="starting")
         self.resumes = 0  # times this run's training went on from a checkpoint, this start included
         self.samples_seen = 0
@@ -160,7 +161,7 @@ class Trainer:
         self.schedule = StepSchedule.first(
             max_steps=t.max_steps, epochs=t.epochs, per_epoch=self.packing.steps_per_epoch(samples.num_tokens),
             uncounted=0 if t.max_steps else self._uncounted_steps(samples, order), warmup_ratio=t.warmup_ratio)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, self.schedule.lr_lambda())
+        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.opt, self.schedule.lr_lambda())
 
     def _stretch_schedule(self, samples: SampleSet, order: np.ndarray) -> None:
         """At a pass boundary: the steps left become the remaining epochs over all the data there is (more
@@ -170,37 +171,38 @@ class Trainer:
         if t.max_steps:
             return
         before = self.schedule.total
-        if self.schedule.stretch(step=self.step, epochs_left=t.epochs - self.cursor.epochs_done,
+        if self.schedule.stretch(step=self.steps_done, epochs_left=t.epochs - self.cursor.epochs_done,
                                  per_epoch=self.packing.steps_per_epoch(samples.num_tokens),
                                  uncounted=self._uncounted_steps(samples, order)):
             log.info("%d samples from epoch %d: total steps %d → %d", len(samples), self.cursor.epoch,
                      before, self.schedule.total)
-            self.sched.lr_lambdas = [self.schedule.lr_lambda()]  # a resume rebuilds it from the saved schedule
+            self.lr_scheduler.lr_lambdas = [self.schedule.lr_lambda()]  # a resume rebuilds it from the saved schedule
 
     # --- checkpoints -------------------------------------------------------------------------
 
-    def save_checkpoint(self) -> str:
+    def _write_checkpoint(self) -> str:
         if not self.dist.main:
-            return Keys.checkpoint(self.run, self.step)
-        state = {"optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(), "step": self.step,
+            return Keys.checkpoint(self.run, self.steps_done)
+        state = {"optimizer": self.opt.state_dict(), "scheduler": self.lr_scheduler.state_dict(), "step": self.steps_done,
                  "total_steps": self.schedule.total, "warmup_steps": self.schedule.warmup, "cursor": self.cursor.__dict__,
                  "samples_seen": self.samples_seen, "train_s": self.train_s,
-                 "progress": msgspec.to_builtins(self.last), "torch_rng": torch.get_rng_state()}
-        return save_checkpoint(self.store, self.run, self.step, self.drafter, state)
+                 "progress": msgspec.to_builtins(self.last), "torch_rng": torch.get_rng_state(),
+                 "run_config": Keys.run_config(self.run), "run_settings": settings_fingerprint(self.cfg)}
+        return save_checkpoint(self.store, self.run, self.steps_done, self.drafter, state)
 
     def load_latest(self) -> bool:
         found = load_latest_checkpoint(self.store, self.run, self.drafter, self.cfg.trainer.arch)
         if found is None:
             return False
         prefix, state = found
-        self.step, total = state["step"], state["total_steps"]
+        self.steps_done, total = state["step"], state["total_steps"]
         self.schedule = StepSchedule(total=total, warmup=state.get("warmup_steps")
                                      or warmup_steps(total, self.cfg.trainer.warmup_ratio))
         # The scheduler first (its constructor rewrites the groups' lr), then the optimizer's saved
         # state (the lr the next step must use), then the scheduler's position.
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, self.schedule.lr_lambda())
+        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.opt, self.schedule.lr_lambda())
         self.opt.load_state_dict(state["optimizer"])
-        self.sched.load_state_dict(state["scheduler"])
+        self.lr_scheduler.load_state_dict(state["scheduler"])
         self.cursor = Cursor(**state["cursor"])
         self.samples_seen = state.get("samples_seen", 0)
         self.train_s = state.get("train_s", 0.0)
@@ -208,16 +210,16 @@ class Trainer:
         saved = msgspec.convert(state.get("progress", {"run": self.run, "worker": self.worker}), TrainerProgress)
         self.resumes = saved.resumes + 1
         # what the run had reached, not a blank "starting" (step 0, loss 0); the heartbeat publishes it at once
-        self.last = msgspec.structs.replace(saved, worker=self.worker, step=self.step, total_steps=self.schedule.total,
+        self.last = msgspec.structs.replace(saved, worker=self.worker, step=self.steps_done, total_steps=self.schedule.total,
                                             checkpoint_key=prefix, state="resumed", resumes=self.resumes, ts=time.time())
-        log.info("resumed from %s (step %d of %d)", prefix, self.step, self.schedule.total)
+        log.info("resumed from %s (step %d of %d)", prefix, self.steps_done, self.schedule.total)
         return True
 
     async def checkpoint(self) -> str:
         """Save, then ack the announcements the saved shard table covers (write-then-ack)."""
         snap, waiting = self.feed.snapshot() if self.feed else (self.cursor.shards, [])
         self.cursor.shards = snap
-        key = await asyncio.to_thread(self.save_checkpoint)
+        key = await asyncio.to_thread(self._write_checkpoint)
         ShardFeed.checkpointed(waiting)
         return key
 
@@ -227,7 +229,7 @@ class Trainer:
         budget = self.cfg.trainer.max_train_s
         return budget > 0 and self.train_s >= budget
 
-    def train_step(self, samples: SampleSet, order: np.ndarray) -> StepResult | None:
+    def take_step(self, samples: SampleSet, order: np.ndarray) -> StepResult | None:
         """One optimizer step over the next micro-batches of this pass (None: the pass is over)."""
         t = self.cfg.trainer
         micro = []
@@ -238,94 +240,141 @@ class Trainer:
             micro.append(mb)
         if not micro:
             return None
-        out = self.optimizer_step(micro, self.step)
-        self.sched.step()
-        self.step += 1
+        out = self.drafter_step(micro, self.steps_done)
+        self.lr_scheduler.step()
+        self.steps_done += 1
         self.train_s += self.dist.from_main(out.elapsed_s)  # rank 0's clock, so every rank agrees on the budget
         if t.max_train_s > 0:  # the schedule runs on whichever of steps and time is further along
-            factor = self.schedule.lr_factor_with_time(self.step, self.train_s, t.max_train_s)
+            factor = self.schedule.lr_factor_with_time(self.steps_done, self.train_s, t.max_train_s)
             for group in self.opt.param_groups:
                 group["lr"] = t.lr * factor
         return out
 
-    async def run_until(self, stop: asyncio.Event) -> TrainerProgress:
+    # --- the loop, as named steps ------------------------------------------------------------
+
+    async def _stopping(self, stop: asyncio.Event) -> bool:
+        """A stop asked on any rank stops every rank at the same step."""
+        return await asyncio.to_thread(self.dist.any, stop.is_set())
+
+    async def _first_data(self) -> SampleSet:
+        """A fresh run: wait for the first tokenized shards, then make the schedule (and the draft vocabulary)
+        from them."""
         t = self.cfg.trainer
+        keys = await self._wait_for_keys()
+        complete = await self._complete()
+        if complete:  # the announcements that completed the data since the keys were taken
+            keys = await self._shard_keys()
+        if not keys:
+            raise RuntimeError(f"no tokenized shards for run {self.run} after {t.wait_for_data_s:.0f}s")
+        samples = await asyncio.to_thread(self._samples, keys)
+        if not samples:
+            raise RuntimeError(f"run {self.run}: tokenized shards hold no trainable sample")
+        self.cursor = Cursor(epoch=0, position=0, keys=keys, shards=self.cursor.shards, complete=complete)
+        if not complete:
+            log.info("the run's data is still growing: passes over it count as epochs once it is complete")
+        self._schedule(samples, epoch_order(len(samples), t.seed, 0))
+        if t.draft_vocab:  # from the data at the start, the same on every rank; kept in checkpoints
+            self.drafter.set_draft_vocab(draft_vocab_ids(samples, t.draft_vocab, self.drafter.config.vocab_size))
+            log.info("draft vocabulary: %d ids", t.draft_vocab)
+        return samples
+
+    async def _resumed_data(self) -> SampleSet:
+        """A resume: the samples of the pass the checkpoint was in (its cursor holds the pass's shards)."""
+        return await asyncio.to_thread(self._samples, self.cursor.keys)
+
+    def _epochs_done(self) -> bool:
+        t = self.cfg.trainer
+        return not t.max_steps and self.cursor.epochs_done >= t.epochs
+
+    async def _pass_boundary(self, stop: asyncio.Event, samples: SampleSet) -> tuple[SampleSet, np.ndarray] | None:
+        """The pass is over: end it, take the shards tokenized since, begin the next pass (stretching the
+        schedule over what is new). None: no next pass (the epochs are done, or a stop came while waiting)."""
+        t = self.cfg.trainer
+        uncounted = self.cursor.end_pass()  # True: the pass just made was over part of the data
+        if self._epochs_done():
+            return None
+        keys, complete = await self._next_pass(stop)  # shards tokenized since join this pass
+        if await self._stopping(stop):
+            self.cursor.undo_end_pass(uncounted)  # nothing of the next pass was made
+            return None
+        grown = keys != self.cursor.keys
+        if grown:
+            samples = await asyncio.to_thread(self._samples, keys)
+        if not complete:
+            log.info("pass %d over %d samples: the run's data is still growing, not counted as an epoch",
+                     self.cursor.epoch, len(samples))
+        self.cursor.begin_pass(keys, complete)
+        order = epoch_order(len(samples), t.seed, self.cursor.epoch)
+        if grown or uncounted or not complete:
+            self._stretch_schedule(samples, order)
+        return samples, order
+
+    def _progress(self, out: StepResult, checkpoint_key: str | None) -> TrainerProgress:
+        """The progress message after a step (and, every `view.log_every_s`, the log's progress line)."""
+        t = self.cfg.trainer
+        steps_per_s, eta_s = self.pace.observe(self.steps_done, self.schedule.total,
+                                               t.max_train_s - self.train_s if t.max_train_s > 0 else None)
+        progress = TrainerProgress(
+            run=self.run, worker=self.worker, step=self.steps_done, total_steps=self.schedule.total,
+            epoch=self.cursor.epoch, loss=out.loss,
+            lr=self.opt.param_groups[0]["lr"], position_accuracy=[round(a, 4) for a in out.acc],
+            estimated_tau=round(estimated_tau(out.acc), 4), tokens_per_s=round(out.tokens_per_s, 1),
+            target_forward_share=round(out.target_share, 4), samples_seen=self.samples_seen,
+            checkpoint_key=checkpoint_key, state="running", resumes=self.resumes,
+            steps_per_s=round(steps_per_s, 4), eta_s=None if eta_s is None else round(eta_s, 1),
+        )
+        if self.dist.main:
+            self.pace.maybe_log(progress)
+        return progress
+
+    async def _checkpoint_if_due(self, checkpoint_key: str | None) -> str | None:
+        """Every `checkpoint_every` steps and at the last one; returns the newest checkpoint's key."""
+        if self.steps_done % self.cfg.trainer.checkpoint_every == 0 or self.steps_done >= self.schedule.total:
+            checkpoint_key = await self.checkpoint()  # holds this step's progress, for a resume's display
+            self.last = msgspec.structs.replace(self.last, checkpoint_key=checkpoint_key)
+        return checkpoint_key
+
+    async def _final_checkpoint(self, checkpoint_key: str | None) -> str | None:
+        """On the way out: a checkpoint of the last step taken, unless there is one already."""
+        if self.steps_done and (checkpoint_key is None or not checkpoint_key.endswith(f"{self.steps_done:08d}/")):
+            checkpoint_key = await self.checkpoint()
+        return checkpoint_key
+
+    def _finished(self) -> bool:
+        return self.steps_done >= self.schedule.total or self._epochs_done() or self.out_of_time()
+
+    async def run_until(self, stop: asyncio.Event) -> TrainerProgress:
+        """First data (or a resume), then until the schedule, the epochs or the time budget end, or a stop:
+        pass boundary, step, progress, checkpoint; then a final checkpoint."""
+        t = self.cfg.trainer
+        if self.dist.main:  # a run trained without `dfpipe run` or a feed records its settings here
+            await asyncio.to_thread(record_run_config, self.store, self.cfg)
         resumed = await asyncio.to_thread(self.load_latest)
         subject = Subjects.progress(self.run, "train", self.worker)
-        samples: SampleSet | None = None
         # a resume starts at a saved checkpoint: one that is already at the last step saves nothing again
-        checkpoint_key: str | None = Keys.checkpoint(self.run, self.step) if resumed else None
+        checkpoint_key: str | None = Keys.checkpoint(self.run, self.steps_done) if resumed else None
         heartbeat = ProgressLoop(self.bus, subject, lambda: self.last, 10.0) if self.dist.main else contextlib.nullcontext()
         self.feed = ShardFeed(self.bus, self.run, self.cursor.shards, self.index) if self.dist.main else None
         async with heartbeat, self.feed or contextlib.nullcontext():
-            if resumed:
-                samples = await asyncio.to_thread(self._samples, self.cursor.keys)
-            else:
-                keys = await self._wait_for_keys()
-                complete = await self._complete()
-                if complete:  # the announcements that completed the data since the keys were taken
-                    keys = await self._shard_keys()
-                if not keys:
-                    raise RuntimeError(f"no tokenized shards for run {self.run} after {t.wait_for_data_s:.0f}s")
-                samples = await asyncio.to_thread(self._samples, keys)
-                if not samples:
-                    raise RuntimeError(f"run {self.run}: tokenized shards hold no trainable sample")
-                self.cursor = Cursor(epoch=0, position=0, keys=keys, shards=self.cursor.shards, complete=complete)
-                if not complete:
-                    log.info("the run's data is still growing: passes over it count as epochs once it is complete")
-                self._schedule(samples, epoch_order(len(samples), t.seed, 0))
-                if t.draft_vocab:  # from the data at the start, the same on every rank; kept in checkpoints
-                    self.drafter.set_draft_vocab(draft_vocab_ids(samples, t.draft_vocab, self.drafter.config.vocab_size))
-                    log.info("draft vocabulary: %d ids", t.draft_vocab)
+            samples = await (self._resumed_data() if resumed else self._first_data())
             order = epoch_order(len(samples), t.seed, self.cursor.epoch)
-            while self.step < self.schedule.total and not self.out_of_time() and \
-                    not await asyncio.to_thread(self.dist.any, stop.is_set()):
+            while self.steps_done < self.schedule.total and not self.out_of_time() and not await self._stopping(stop):
                 if self.cursor.position >= len(order):
-                    uncounted = self.cursor.end_pass()  # True: the pass just made was over part of the data
-                    if not t.max_steps and self.cursor.epochs_done >= t.epochs:
+                    next_pass = await self._pass_boundary(stop, samples)
+                    if next_pass is None:
                         break
-                    keys, complete = await self._next_pass(stop)  # shards tokenized since join this pass
-                    if await asyncio.to_thread(self.dist.any, stop.is_set()):
-                        self.cursor.undo_end_pass(uncounted)  # nothing of the next pass was made
-                        break
-                    grown = keys != self.cursor.keys
-                    if grown:
-                        samples = await asyncio.to_thread(self._samples, keys)
-                    if not complete:
-                        log.info("pass %d over %d samples: the run's data is still growing, not counted as an epoch",
-                                 self.cursor.epoch, len(samples))
-                    self.cursor.begin_pass(keys, complete)
-                    order = epoch_order(len(samples), t.seed, self.cursor.epoch)
-                    if grown or uncounted or not complete:
-                        self._stretch_schedule(samples, order)
-                out = await asyncio.to_thread(self.train_step, samples, order)
+                    samples, order = next_pass
+                out = await asyncio.to_thread(self.take_step, samples, order)
                 if out is None:
                     continue
                 self.samples_seen += out.samples
-                steps_per_s, eta_s = self.pace.observe(self.step, self.schedule.total,
-                                                       t.max_train_s - self.train_s if t.max_train_s > 0 else None)
-                self.last = TrainerProgress(
-                    run=self.run, worker=self.worker, step=self.step, total_steps=self.schedule.total,
-                    epoch=self.cursor.epoch, loss=out.loss,
-                    lr=self.opt.param_groups[0]["lr"], position_accuracy=[round(a, 4) for a in out.acc],
-                    estimated_tau=round(estimated_tau(out.acc), 4), tokens_per_s=round(out.tokens_per_s, 1),
-                    target_forward_share=round(out.target_share, 4), samples_seen=self.samples_seen,
-                    checkpoint_key=checkpoint_key, state="running", resumes=self.resumes,
-                    steps_per_s=round(steps_per_s, 4), eta_s=None if eta_s is None else round(eta_s, 1),
-                )
-                if self.dist.main:
-                    self.pace.maybe_log(self.last)
-                if self.step % t.checkpoint_every == 0 or self.step >= self.schedule.total:
-                    checkpoint_key = await self.checkpoint()  # holds this step's progress, for a resume's display
-                    self.last = msgspec.structs.replace(self.last, checkpoint_key=checkpoint_key)
-                if self.step % t.progress_every == 0 and self.dist.main:
+                self.last = self._progress(out, checkpoint_key)
+                checkpoint_key = await self._checkpoint_if_due(checkpoint_key)
+                if self.steps_done % t.progress_every == 0 and self.dist.main:
                     await self.bus.publish(subject, self.last)
-            if self.step and (checkpoint_key is None or not checkpoint_key.endswith(f"{self.step:08d}/")):
-                checkpoint_key = await self.checkpoint()
-            done = self.step >= self.schedule.total or (not t.max_steps and self.cursor.epochs_done >= t.epochs) \
-                or self.out_of_time()
+            checkpoint_key = await self._final_checkpoint(checkpoint_key)
             self.last = msgspec.structs.replace(self.last, checkpoint_key=checkpoint_key,
-                                                state="done" if done else "stopped", ts=time.time())
+                                                state="done" if self._finished() else "stopped", ts=time.time())
         return self.last
 
 

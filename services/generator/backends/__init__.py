@@ -9,7 +9,9 @@
 
 from __future__ import annotations
 
-from shared.config import Config
+from importlib import import_module
+
+from shared.config import Config, ConfigError
 from shared.gpus import GpuGroup
 
 from .base import (
@@ -24,25 +26,53 @@ from .base import (
     split_reasoning,
 )
 
-__all__ = ["Backend", "EngineError", "GenRequest", "GenResult", "PromptRefused", "chat_dicts", "check_template",
-           "make_backend", "render_prompt", "split_reasoning"]
+__all__ = [
+    "BACKENDS",
+    "Backend",
+    "EngineError",
+    "GenRequest",
+    "GenResult",
+    "PromptRefused",
+    "backend_class",
+    "backend_kinds",
+    "chat_dicts",
+    "check_kind",
+    "check_template",
+    "make_backend",
+    "render_prompt",
+    "split_reasoning",
+]
+
+
+# Every backend kind, in one place: kind -> "module:Class" in this package, imported only when chosen (the hf
+# backend brings torch). Adding a backend is its file plus one line here; the `--backend` choices of
+# `dfpipe generate` and `dfpipe run`, and the check of `generator.backend`, all read this table.
+BACKENDS: dict[str, str] = {
+    "hf": "hf:HFBackend",
+    "sglang": "sglang:SGLangBackend",
+    "openai": "openai:OpenAIBackend",
+    "synthetic": "synthetic:SyntheticBackend",
+}
+
+
+def backend_kinds() -> list[str]:
+    """The registered kinds, sorted (for `choices=` and error messages)."""
+    return sorted(BACKENDS)
+
+
+def check_kind(kind: str) -> str:
+    """`kind` if it is registered; otherwise a ConfigError naming the known ones."""
+    if kind not in BACKENDS:
+        raise ConfigError(f"generator.backend = {kind!r} is not a backend; known: {', '.join(backend_kinds())}")
+    return kind
+
+
+def backend_class(kind: str) -> type[Backend]:
+    module, _, name = BACKENDS[check_kind(kind)].partition(":")
+    return getattr(import_module(f"{__name__}.{module}"), name)
 
 
 def make_backend(cfg: Config, *, gpus: GpuGroup | None = None) -> Backend:
-    """The configured backend; `gpus`: the GPU group its engine runs on (None: CPU, or an engine not ours)."""
-    kind = cfg.generator.backend
-    if kind == "hf":
-        from .hf import HFBackend
-
-        return HFBackend(cfg, gpus=gpus)
-    if kind == "sglang":
-        from .sglang import SGLangBackend
-
-        return SGLangBackend(cfg, gpus=gpus)
-    if kind == "synthetic":
-        from .synthetic import SyntheticBackend
-
-        return SyntheticBackend(cfg, gpus=gpus)
-    from .openai import OpenAIBackend
-
-    return OpenAIBackend(cfg)
+    """The configured backend for this worker (`gpus`: the GPU group its engine runs on; None: CPU, or an
+    engine not ours)."""
+    return backend_class(cfg.generator.backend)(cfg, gpus=gpus)

@@ -39,6 +39,8 @@ class PromptRefused(ValueError):
 
 
 class Backend(Protocol):
+    """Built as `Kind(cfg, *, gpu)` by `make_backend` (backends/__init__.py's table)."""
+
     engine: str  # e.g. "hf", "sglang", "openai:vllm"
     model: str
 

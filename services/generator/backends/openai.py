@@ -22,7 +22,7 @@ from .http import EngineClient
 class OpenAIBackend:
     engine = "openai"
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, *, gpu: int | None = None) -> None:  # gpu unused: the server owns its GPUs
         g = cfg.generator
         self.cfg = cfg
         self.endpoint = g.openai_endpoint
