@@ -11,28 +11,18 @@ import argparse
 import logging
 import os
 import sys
-import tomllib
 from collections.abc import Callable
-from importlib.metadata import EntryPoint, entry_points
-from pathlib import Path
+from importlib.metadata import EntryPoint
 from typing import Any
 
 from shared.config import Config, ConfigError, load_config
 from shared.exits import Exit
-
-COMMAND_GROUP = "dfpipe.commands"  # entry points: name = "package.cli:register"
-SOURCE_PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+from shared.plugins import COMMANDS, registered
 
 
 def command_registrars() -> list[EntryPoint]:
-    """Every package's `register(sub, replay)`. From a source tree (tests, the supervisor's `python -m shared.cli`,
-    a checkout with an older or another checkout's install) the tree's own pyproject.toml lists them, so a new
-    command needs no reinstall; an installed build (the image) reads its package metadata."""
-    if SOURCE_PYPROJECT.is_file():
-        project = tomllib.loads(SOURCE_PYPROJECT.read_text()).get("project", {})
-        if table := project.get("entry-points", {}).get(COMMAND_GROUP):
-            return [EntryPoint(name, value, COMMAND_GROUP) for name, value in table.items()]
-    return list(entry_points(group=COMMAND_GROUP))
+    """Every package's `register(sub, replay)` (pyproject.toml's `dfpipe.commands` entry points)."""
+    return list(registered(COMMANDS))
 
 
 def load(args: argparse.Namespace) -> Config:

@@ -359,6 +359,18 @@ def _line_of(toml_text: str, key: str) -> str:
     return ""
 
 
+def _check_backend(cfg: Config, source: str, toml_text: str, env: dict[str, str]) -> None:
+    """`generator.backend` names a registered backend (pyproject.toml's `dfpipe.backends`: shared/plugins.py)."""
+    from shared.plugins import backend_kinds
+
+    kinds = backend_kinds()
+    if kinds and cfg.generator.backend not in kinds:
+        where = next((f"environment variable {n}" for n, key, _ in _env_overrides(env) if tuple(key) == ("generator", "backend")),
+                     f"{source}{_line_of(toml_text, 'generator.backend')}")
+        raise ConfigError(f"{where}: config key 'generator.backend': {cfg.generator.backend!r} is not a backend; "
+                          f"known: {', '.join(kinds)}")
+
+
 def load_config(path: str | os.PathLike[str] | None = None, env: dict[str, str] | None = None) -> Config:
     """Load and validate; raise ConfigError naming the key on any unknown key or wrong type."""
     env = dict(os.environ if env is None else env)
@@ -389,6 +401,7 @@ def load_config(path: str | os.PathLike[str] | None = None, env: dict[str, str] 
         except msgspec.ValidationError as e:
             raise ConfigError(_describe(e, f"environment variable {name}")) from None
     cfg = msgspec.convert(tree, Config)
+    _check_backend(cfg, source, toml_text if path else "", env)
     from shared.topology import check_name
 
     try:

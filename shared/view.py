@@ -33,7 +33,7 @@ from shared.messages import (
     TokenizerProgress,
     TrainerProgress,
 )
-from shared.topology import ANY, Subjects
+from shared.topology import ANY, Streams, Subjects
 
 SCHEMA = 1  # the view's JSON layout (`dfpipe status --json`): bumped when a field changes meaning or goes
 FINISHED_STATES = frozenset({"stopped", "done", "finished"})  # a worker in one of these is not silent, just over
@@ -396,7 +396,7 @@ def training_text(v: RunView) -> str:
 
 async def latest_progress(bus: Bus, run: str) -> list[Message]:
     """Each worker's latest progress report of `run` (one per subject: the work is the number of workers)."""
-    return [m for _, m in await bus.latest_per_subject("PROGRESS", Subjects.progress(run, ANY, ANY))]
+    return [m for _, m in await bus.latest_per_subject(Streams.PROGRESS, Subjects.progress(run, ANY, ANY))]
 
 
 async def read_view(cfg: Config, bus: Bus, ledger: RunLedger, now: float | None = None) -> RunView:

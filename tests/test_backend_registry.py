@@ -1,4 +1,4 @@
-"""Generator backends are registered once (services/generator/backends/__init__.py's BACKENDS): the `--backend`
+"""Generator backends are registered once (pyproject.toml's `dfpipe.backends`, read by shared/plugins.py): the `--backend`
 choices of `dfpipe generate` and `dfpipe run` are that table, every entry names a class that exists, and an
 unknown kind is refused with the known ones named, at the CLI and in the config."""
 
@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 
+import msgspec
 import pytest
 
 from services.generator import backends
@@ -30,7 +31,7 @@ def test_every_cli_offers_exactly_the_registered_kinds() -> None:
 @pytest.mark.parametrize("kind", sorted(BACKENDS))
 def test_every_registration_names_a_backend_class(kind: str) -> None:
     cls = backend_class(kind)
-    assert cls.__module__ == f"services.generator.backends.{BACKENDS[kind].split(':')[0]}"
+    assert cls.__module__ == BACKENDS[kind].split(":")[0] and cls.__module__.startswith("services.generator.backends.")
     assert isinstance(cls.engine, str) and cls.engine.startswith(kind)
     assert all(callable(getattr(cls, m)) for m in ("start", "generate", "close"))
 
@@ -41,10 +42,14 @@ def test_an_unknown_kind_is_refused_naming_the_known_ones(tmp_path) -> None:
         check_kind("vllm")
     path = tmp_path / "c.toml"
     path.write_text('[generator]\nbackend = "vllm"\n')
-    cfg = load_config(path, env={})
-    assert cfg.generator.backend == "vllm"  # shared/config names no service: the generator checks the kind
+    with pytest.raises(ConfigError, match=r"c.toml, line 2: config key 'generator.backend': 'vllm' is not a backend; "
+                                          r"known: hf, openai, sglang, synthetic"):
+        load_config(path, env={})  # at load, from the same registrations (shared/plugins.py)
+    with pytest.raises(ConfigError, match="environment variable DFLASH_GENERATOR__BACKEND"):
+        load_config(None, env={"DFLASH_GENERATOR__BACKEND": "vllm"})
+    cfg = load_config(None, env={})
     with pytest.raises(ConfigError, match="known: hf, openai, sglang, synthetic"):
-        make_backend(cfg)
+        make_backend(msgspec.structs.replace(cfg, generator=msgspec.structs.replace(cfg.generator, backend="vllm")))
 
 
 def test_the_cli_refuses_an_unknown_kind_as_a_usage_error(capsys) -> None:
@@ -56,7 +61,7 @@ def test_the_cli_refuses_an_unknown_kind_as_a_usage_error(capsys) -> None:
 
 def test_a_new_backend_is_one_file_and_one_line(monkeypatch) -> None:
     """What docs/adding-a-backend.md says: a registration names the module and class; the table does the rest."""
-    monkeypatch.setitem(BACKENDS, "echo", "synthetic:SyntheticBackend")  # an existing class under a new kind
+    monkeypatch.setitem(BACKENDS, "echo", "services.generator.backends.synthetic:SyntheticBackend")  # an existing class under a new kind
     assert "echo" in backend_kinds() and check_kind("echo") == "echo"
     assert backend_class("echo") is backends.synthetic.SyntheticBackend
     assert backend_choices(build_parser(), "generate") == backend_kinds()

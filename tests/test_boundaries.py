@@ -52,7 +52,7 @@ def cli(env: dict, *args: str, timeout: float = 120) -> subprocess.CompletedProc
         ('run = "r"\n\n[generator]\nbatch_size = 2\nmax_inflght = 4\n', r", line 5: unknown config key 'generator\.max_inflght'"),
         ("# mine\n[genrator]\nbatch_size = 2\n", r", line 2: unknown config key 'genrator'"),
         ('[tokenizer]\nmax_length = 10\n[generator]\nmax_inflight = "many"\n', r", line 4: config key 'generator\.max_inflight': Expected `int`"),
-        ('[generator]\nbackend = "vllm"\n', r", line 2: config key 'generator\.backend': Invalid enum value 'vllm'"),
+        ('[generator]\nbackend = "vllm"\n', r", line 2: config key 'generator\.backend': 'vllm' is not a backend"),
         ('run = "r"\n[bus]\nurl = \n', r"is not valid TOML: .*\(at line 3, column 7\)"),
         ("[bus\n", r"is not valid TOML: .*line 1"),
     ],

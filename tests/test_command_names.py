@@ -32,7 +32,7 @@ def test_dfpipe_and_reference_dflash_commands_coexist(tmp_path: Path):
     assert ours.returncode == 0 and "dfpipe" in ours.stdout and "stack" in ours.stdout, ours.stderr
     # the packages' own subcommands, found through the installed `dfpipe.commands` entry points
     assert all(c in ours.stdout for c in ("feed", "generate", "tokenize", "train", "run", "status")), ours.stdout
-    where = subprocess.run([py, "-c", "import shared.cli; print(shared.cli.SOURCE_PYPROJECT.is_file())"],
+    where = subprocess.run([py, "-c", "import shared.plugins; print(shared.plugins.SOURCE_PYPROJECT.is_file())"],
                            capture_output=True, text=True, cwd=tmp_path, env=installed)
     assert where.stdout.strip() == "False", where.stderr  # imported from the install, not a source tree
     theirs = subprocess.run([env_dir / "bin" / "dflash", "--help"], capture_output=True, text=True)

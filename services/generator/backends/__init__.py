@@ -13,6 +13,8 @@ from importlib import import_module
 
 from shared.config import Config, ConfigError
 from shared.gpus import GpuGroup
+from shared.plugins import BACKENDS as PLUGIN_GROUP
+from shared.plugins import registered
 
 from .base import (
     Backend,
@@ -44,15 +46,11 @@ __all__ = [
 ]
 
 
-# Every backend kind, in one place: kind -> "module:Class" in this package, imported only when chosen (the hf
-# backend brings torch). Adding a backend is its file plus one line here; the `--backend` choices of
-# `dfpipe generate` and `dfpipe run`, and the check of `generator.backend`, all read this table.
-BACKENDS: dict[str, str] = {
-    "hf": "hf:HFBackend",
-    "sglang": "sglang:SGLangBackend",
-    "openai": "openai:OpenAIBackend",
-    "synthetic": "synthetic:SyntheticBackend",
-}
+# Every backend kind, registered in one place: pyproject.toml's `dfpipe.backends` entry points (kind ->
+# "module:Class"), imported only when chosen (the hf backend brings torch). Adding a backend is its file plus one
+# line there; the `--backend` choices of `dfpipe generate` and `dfpipe run`, the check of `generator.backend` at
+# config load, and make_backend all read it.
+BACKENDS: dict[str, str] = {ep.name: ep.value for ep in registered(PLUGIN_GROUP)}
 
 
 def backend_kinds() -> list[str]:
@@ -69,7 +67,7 @@ def check_kind(kind: str) -> str:
 
 def backend_class(kind: str) -> type[Backend]:
     module, _, name = BACKENDS[check_kind(kind)].partition(":")
-    return getattr(import_module(f"{__name__}.{module}"), name)
+    return getattr(import_module(module), name)
 
 
 def make_backend(cfg: Config, *, gpus: GpuGroup | None = None) -> Backend:
