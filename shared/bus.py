@@ -657,13 +657,33 @@ class Lease:
                                                 headers={"Nats-Expected-Last-Subject-Sequence": str(self.revision)})
                 self.revision = ack.seq
             except nats.js.errors.APIError as e:
-                if e.err_code in (10071, 10164):  # someone else's revision: ours lapsed and was taken
-                    log.error("lease %s lost (it lapsed and another process took it)", self.key)
+                if e.err_code not in (10071, 10164):
+                    log.warning("lease %s: renewal failed (%s); retrying", self.key, describe(e))
+                elif not await self._recover():
+                    log.error("lease %s lost: it lapsed and another process took it", self.key)
                     self.lost.set()
                     return
-                log.warning("lease %s: renewal failed (%s); retrying", self.key, describe(e))
             except Exception as e:  # the server is away: try again next time, within the TTL
                 log.warning("lease %s: renewal failed (%s); retrying", self.key, describe(e))
+
+    async def _recover(self) -> bool:
+        """A renewal found another revision than ours: still ours (a renewal whose ack was lost), or lapsed with no
+        one else holding it (this process was too slow to renew: a starved loop), then take it again. False: another
+        process holds it."""
+        kv = await self._bucket(self.bus)
+        try:
+            entry = await kv.get(self.key)
+        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+            try:
+                self.revision = await kv.create(self.key, msgspec.json.encode(self.holder), msg_ttl=self.ttl_s)
+            except nats.js.errors.KeyWrongLastSequenceError:
+                return False  # taken in between
+            log.warning("lease %s lapsed (renewed too late) and was taken again; nobody else held it", self.key)
+            return True
+        if entry.value == msgspec.json.encode(self.holder):
+            self.revision = entry.revision
+            return True
+        return False
 
     def lost_stops(self, stop: asyncio.Event) -> None:
         """Set `stop` if the lease is lost (a holder must not go on working beside the new one)."""

@@ -296,3 +296,26 @@ def test_a_second_trainer_is_refused_naming_the_holder_until_the_lease_lapses(st
         if holder.poll() is None:
             holder.kill()
             holder.wait()
+
+
+async def test_a_lease_renewed_too_late_is_taken_again_unless_another_process_took_it(cfg) -> None:
+    """A holder whose loop was starved past the TTL (a loaded machine) keeps its lease when nobody took it in
+    between, and knows it lost it (`lost`, which stops a trainer) when another process did."""
+    key = lease_key(cfg.run, "trainer")
+    async with await Bus.connect(cfg.bus, "pytest-a", deadline_s=10) as a, \
+            await Bus.connect(cfg.bus, "pytest-b", deadline_s=10) as b:
+        held = await Lease.acquire(a, key, 1, "a")
+        time.sleep(2.5)  # the loop starved past the TTL: the entry lapsed
+        await asyncio.sleep(1.5)  # the next renewals find it gone and take it again
+        assert not held.lost.is_set()
+        with pytest.raises(LeaseHeld):
+            await Lease.acquire(b, key, 1, "b")
+        held._task.cancel()  # stop renewing until another process has taken it
+        await asyncio.sleep(2.5)
+        other = await Lease.acquire(b, key, 1, "b")
+        held._task = asyncio.create_task(held._renew())
+        await asyncio.wait_for(held.lost.wait(), 5)
+        await held.release()  # a lost lease is left to its holder
+        with pytest.raises(LeaseHeld, match="held by b"):
+            await Lease.acquire(a, key, 1, "a")
+        await other.release()
