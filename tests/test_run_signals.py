@@ -49,7 +49,7 @@ min_supervised_tokens = 4
 num_layers = 1
 block_size = 4
 anchors_per_sequence = 8
-max_steps = 60
+max_steps = 16
 checkpoint_every = 1000
 token_budget = 160
 max_length = 96
@@ -232,17 +232,17 @@ def test_each_signal_mid_training_stops_every_service_a_second_kills_at_once_and
         else:
             assert f"run stopped by {sigs[0].name}: every service it started has stopped" in out, out[-3000:]
             log = (stack.root / "runs" / r.run / "logs" / "trainer.log").read_text()
-            assert log.count(f"lease trainer.{r.run} released") == n + 1, log[-3000:]  # not left to lapse
+            assert log.count(f"lease trainer.{r.run} released") == n + 1, log[-3000:] + out[-3000:]  # not lapsed
         _assert_nothing_left(started, groups, [r.port] if n == 0 else [], out)
         steps = _trainer_step(r.cfg, r.run, running=False)
         r.check_nothing_rewritten()
     assert any("/checkpoints/step-" in k for k in r.kept), "no drained stop saved a checkpoint"
-    assert steps < 60, "training finished before the stop: nothing was tested mid-training"
+    assert steps < 16, "training finished before the stop: nothing was tested mid-training"
 
     done = r.command()  # the same command once more: it finishes, and every object already written is untouched
     assert done.returncode == Exit.OK, (done.stdout + done.stderr)[-4000:]
     r.check_nothing_rewritten()
-    assert r.store.exists(Keys.checkpoint(r.run, 60) + "drafter/model.safetensors")
+    assert r.store.exists(Keys.checkpoint(r.run, 16) + "drafter/model.safetensors")
     assert f"run {r.run}: 40 of 40 prompts completed" in done.stdout, done.stdout[-3000:]
 
 

@@ -38,6 +38,9 @@ from .supervisor import ServiceSpec, ServiceState, Supervisor, kill_group
 log = logging.getLogger("dflash.run")
 T = TypeVar("T")
 
+# A stopped trainer finishes its step and saves a checkpoint before it exits: on a busy CPU or with a large
+# drafter that takes minutes, and a SIGKILL before it ends loses every step since the last checkpoint.
+TRAINER_GRACE_S = 300.0
 BUNDLED_PROMPTS = Path(__file__).parent / "data" / "prompts.jsonl"
 DEMO_CONFIG = Path(__file__).parent / "data" / "demo.toml"
 
@@ -73,7 +76,8 @@ def service_specs(cfg: Config, request: RunRequest) -> list[ServiceSpec]:
         # Started once tokenization is done: the step count is planned from the whole dataset. (A
         # trainer started by hand or in compose may start early: later shards join its next pass, and its
         # passes count as epochs once generation and tokenization are done.)
-        specs.append(ServiceSpec("trainer", cli_argv("train", "--run", run), one_shot=True, deferred=True))
+        specs.append(ServiceSpec("trainer", cli_argv("train", "--run", run), one_shot=True, deferred=True,
+                                 grace_s=TRAINER_GRACE_S))
     if request.dashboard:
         specs.append(ServiceSpec("dashboard", cli_argv("dashboard", "--run", run)))
     for s in specs:

@@ -43,6 +43,7 @@ class ServiceSpec:
     env: dict[str, str] = field(default_factory=dict)
     one_shot: bool = False  # exit 0 means done, not "restart me"
     deferred: bool = False  # not started by start(): launch(name) starts it when its phase comes
+    grace_s: float | None = None  # how long a stop waits before SIGKILL (None: the supervisor's)
 
 
 @dataclass
@@ -159,10 +160,11 @@ class Supervisor:
             return
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(signal.SIGTERM)
+        grace = st.spec.grace_s or self.grace_s
         try:
-            await asyncio.wait_for(proc.wait(), timeout=self.grace_s)
+            await asyncio.wait_for(proc.wait(), timeout=grace)
         except TimeoutError:
-            log.warning("%s did not stop within %.0fs; killing", name, self.grace_s)
+            log.warning("%s did not stop within %.0fs; killing", name, grace)
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             await proc.wait()
