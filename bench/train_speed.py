@@ -7,7 +7,12 @@ bf16 where the CPU has bf16 matmul units), so the ratio is the drafter's share o
 Shapes: the production default (B=16, 5 layers, 512 anchors) as DFlash and as DFlash 2, and the
 demo's config (services/pipeline/data/demo.toml: DFlash 2, B=8, 2 layers from the target's, 128
 anchors, soft labels; also as DFlash), none with a draft vocabulary (servers do not read one).
-Target: ratio ≥ 0.5. Writes bench/results/train_speed.json.
+Target: ratio ≥ 0.5. Each shape's step is also profiled once (torch.profiler, the ranges step.py names:
+target forward, drafter forward, head + CE, selector, backward, optimizer): their shares of the step, applied
+to the unprofiled step time. `BENCH_TRAIN_SHAPES=demo` runs the demo's shapes only. To measure as an AVX2-only
+CPU on one with AVX-512/AMX, restrict every kernel library: ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+MKL_ENABLE_INSTRUCTIONS=AVX2 (recorded in the result, with the CPU's flags and the bf16 probe's timing).
+Writes bench/results/train_speed.json (or train_speed-<BENCH_TRAIN_TAG>.json).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 from common import ROOT, table, write_result
@@ -47,24 +53,26 @@ def samples(tok, cfg) -> list:
 def main() -> int:
     import msgspec
 
-    from services.trainer.build import autocast_dtype
+    from services.trainer.build import autocast_dtype, bf16_is_faster
     from services.trainer.dist import Dist
     from services.trainer.drafters import new_drafter
     from services.trainer.features import Target
     from services.trainer.model import feature_layer_ids, resolve_mask_token_id
-    from services.trainer.step import DrafterStep
+    from services.trainer.step import PHASES, DrafterStep
     from shared.config import load_config
     from shared.model import load_causal_lm, load_tokenizer
 
     torch.manual_seed(0)
+    shapes = {k: v for k, v in SHAPES.items() if os.environ.get("BENCH_TRAIN_SHAPES") != "demo" or "demo" in k}
     base = load_config(env={})
     tok, lm = load_tokenizer(base.model.target), load_causal_lm(base.model.target, device="cpu")
     for p in lm.parameters():
         p.requires_grad_(False)
     seqs = samples(tok, base)  # the same sequences for every shape
     tokens = sum(s.num_tokens for s in seqs)
-    rows, results = [("drafter", "target tok/s", "train tok/s", "ratio")], {}
-    for name, (path, arch) in SHAPES.items():
+    rows, results = [("drafter", "target tok/s", "train tok/s", "ratio", "ms/step")], {}
+    parts_rows = [("drafter", *PHASES, "other")]
+    for name, (path, arch) in shapes.items():
         t = msgspec.structs.replace(load_config(path, env={}).trainer, arch=arch)
         ids = list(t.target_layer_ids) or feature_layer_ids(lm.config.num_hidden_layers, t.num_feature_layers)
         target = Target(lm, ids)
@@ -88,20 +96,68 @@ def main() -> int:
             if r:
                 t_target, t_train = t_target + t1 - t0, t_train + t2 - t1
         target_tps, train_tps = ROUNDS * tokens / t_target, ROUNDS * tokens / t_train
+        step_ms = 1000 * t_train / ROUNDS
+        shares = profile_shares(lambda step=step, micro=micro: step(micro, ROUNDS + 1), PHASES)
+        parts_ms = {k: round(v * step_ms, 1) for k, v in shares.items()}
+        parts_rows.append((name, *(f"{parts_ms[k]:.0f} ({100 * shares[k]:.0f}%)" for k in (*PHASES, "other"))))
         results[name] = {"arch": arch, "block_size": t.block_size, "layers": t.num_layers,
                          "anchors": t.anchors_per_sequence, "soft_labels": t.soft_labels, "init": t.init,
                          "drafter_autocast": str(amp), "target_autocast": str(target_amp),
                          "target_tokens_per_s": round(target_tps, 1),
                          "train_tokens_per_s": round(train_tps, 1), "ratio": round(train_tps / target_tps, 3),
-                         "met": train_tps / target_tps >= 0.5}
-        rows.append((name, f"{target_tps:.0f}", f"{train_tps:.0f}", f"{train_tps / target_tps:.2f}"))
+                         "met": train_tps / target_tps >= 0.5, "step_ms": round(step_ms, 1),
+                         "step_parts_ms": parts_ms}
+        rows.append((name, f"{target_tps:.0f}", f"{train_tps:.0f}", f"{train_tps / target_tps:.2f}", f"{step_ms:.0f}"))
         del drafter, opt, step
     bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    path = write_result("train_speed", {"sequences": len(seqs), "tokens_per_round": tokens, "rounds": ROUNDS,
-                                        "cpu_bf16_matmul": bf16, "target_ratio": 0.5, "shapes": results})
+    probe = bf16_is_faster()
+    tag = os.environ.get("BENCH_TRAIN_TAG")
+    path = write_result(f"train_speed-{tag}" if tag else "train_speed", {
+        "sequences": len(seqs), "tokens_per_round": tokens, "rounds": ROUNDS, "cpu_bf16_matmul": bf16,
+        "bf16_probe": {"fp32_s": round(probe.fp32_s, 4), "bf16_s": round(probe.bf16_s, 4), "faster": probe.faster},
+        "cpu": cpu_description(), "load_avg_1m": round(os.getloadavg()[0], 2), "target_ratio": 0.5,
+        "shapes": results})
     print(table(rows))
+    print(table(parts_rows))
     print(f"wrote {path}")
     return 0
+
+
+def profile_shares(run_step, phases: tuple[str, ...]) -> dict[str, float]:
+    """One profiled step: each named range's share of the step's wall time (ranges do not nest), and "other"."""
+    from torch.profiler import ProfilerActivity, profile
+
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run_step()
+    wall_us = (time.perf_counter() - t0) * 1e6
+    totals = {k: 0.0 for k in phases}
+    for e in prof.key_averages():
+        if e.key in totals:
+            totals[e.key] += e.cpu_time_total
+    shares = {k: v / wall_us for k, v in totals.items()}
+    shares["other"] = max(0.0, 1.0 - sum(shares.values()))
+    return shares
+
+
+def cpu_description() -> dict:
+    """The CPU's model, its matrix-relevant flags, the kernel restriction in force and torch's view of it."""
+    import platform
+
+    flags, model = set(), platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
+            elif line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "amx_int8")
+    restriction = {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+                   if k in os.environ}
+    return {"model": model, "cores": os.cpu_count(), "flags": [f for f in wanted if f in flags],
+            "restriction": restriction, "torch_cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
 
 if __name__ == "__main__":

@@ -33,12 +33,15 @@ import contextlib
 import logging
 import os
 import secrets
+import socket
+import time
 import traceback
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
 
+import msgspec
 import nats
 import nats.errors
 import nats.js.errors
@@ -59,7 +62,7 @@ from shared.failures import (
     retry_async,
 )
 from shared.messages import Alert, DeadLetter, Message, MessageError, decode, encode
-from shared.topology import Streams, Subjects, durable, stage_input, streams
+from shared.topology import LEASES_BUCKET, Streams, Subjects, durable, stage_input, streams
 
 log = logging.getLogger("dflash.bus")
 
@@ -758,6 +761,136 @@ class ProgressLoop:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         await self.publish_now()
+
+
+# --- leases: one holder at a time, across processes and hosts ------------------------------------
+
+
+class LeaseHolder(msgspec.Struct, frozen=True):
+    """Who holds a lease (the KV entry's value), so that a refused process can name it."""
+
+    owner: str
+    host: str
+    pid: int
+    since: float  # unix time the holder acquired it
+
+    def describe(self) -> str:
+        return (f"{self.owner} (host {self.host}, pid {self.pid}, since "
+                f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(self.since))})")
+
+
+class LeaseHeld(Exception):
+    """Another process holds the lease."""
+
+    def __init__(self, key: str, holder: LeaseHolder | None) -> None:
+        self.key, self.holder = key, holder
+        super().__init__(f"lease {key} is held by {holder.describe() if holder else 'another process'}")
+
+    def __reduce__(self) -> tuple[type, tuple[str, LeaseHolder | None]]:  # sent from rank 0 to the other ranks
+        return (LeaseHeld, (self.key, self.holder))
+
+
+class Lease:
+    """A lease on `key` in the LEASES KV bucket: created only if absent (or lapsed), renewed every ttl/3 with the
+    revision it last wrote (a renewal that finds another writer's revision has lost the lease: `lost` is set),
+    deleted on release. Each entry carries a per-message TTL, so a holder that dies without releasing it
+    (SIGKILL, power loss, a partition) blocks others for at most `ttl_s`."""
+
+    def __init__(self, bus: Bus, key: str, ttl_s: float, holder: LeaseHolder, revision: int) -> None:
+        self.bus, self.key, self.ttl_s, self.holder, self.revision = bus, key, ttl_s, holder, revision
+        self.lost = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._watch: asyncio.Task[None] | None = None
+
+    @staticmethod
+    async def _bucket(bus: Bus) -> Any:
+        try:
+            return await bus.js.key_value(LEASES_BUCKET)
+        except nats.js.errors.BucketNotFoundError:
+            return await bus.js.create_key_value(api.KeyValueConfig(
+                bucket=LEASES_BUCKET, history=1, storage=api.StorageType.FILE, replicas=bus.cfg.replicas,
+                description="dfpipe leases: one holder per key; entries expire by their own TTL"))
+
+    @classmethod
+    async def acquire(cls, bus: Bus, key: str, ttl_s: float, owner: str) -> Lease:
+        """Take the lease or raise LeaseHeld naming its holder. Renewal starts at once."""
+        ttl = max(1, round(ttl_s))  # the server's message TTLs are whole seconds
+        kv = await cls._bucket(bus)
+        me = LeaseHolder(owner=owner, host=socket.gethostname(), pid=os.getpid(), since=time.time())
+        try:
+            revision = await kv.create(key, msgspec.json.encode(me), msg_ttl=ttl)
+        except nats.js.errors.KeyWrongLastSequenceError:
+            holder = None
+            with contextlib.suppress(nats.js.errors.KeyNotFoundError, msgspec.DecodeError):  # lapsed meanwhile
+                entry = await kv.get(key)
+                holder = msgspec.json.decode(entry.value or b"", type=LeaseHolder)
+            raise LeaseHeld(key, holder) from None
+        lease = cls(bus, key, ttl, me, revision)
+        lease._task = asyncio.create_task(lease._renew())
+        log.info("lease %s acquired (ttl %ds)", key, ttl)
+        return lease
+
+    async def _renew(self) -> None:
+        subject = f"$KV.{LEASES_BUCKET}.{self.key}"
+        payload = msgspec.json.encode(self.holder)
+        while True:
+            await asyncio.sleep(self.ttl_s / 3)
+            try:
+                ack = await self.bus.js.publish(subject, payload, msg_ttl=self.ttl_s,
+                                                headers={"Nats-Expected-Last-Subject-Sequence": str(self.revision)})
+                self.revision = ack.seq
+            except nats.js.errors.APIError as e:
+                if e.err_code not in (10071, 10164):
+                    log.warning("lease %s: renewal failed (%s); retrying", self.key, describe(e))
+                elif not await self._recover():
+                    log.error("lease %s lost: it lapsed and another process took it", self.key)
+                    self.lost.set()
+                    return
+            except Exception as e:  # the server is away: try again next time, within the TTL
+                log.warning("lease %s: renewal failed (%s); retrying", self.key, describe(e))
+
+    async def _recover(self) -> bool:
+        """A renewal found another revision than ours: still ours (a renewal whose ack was lost), or lapsed with no
+        one else holding it (this process was too slow to renew: a starved loop), then take it again. False: another
+        process holds it."""
+        kv = await self._bucket(self.bus)
+        try:
+            entry = await kv.get(self.key)
+        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+            try:
+                self.revision = await kv.create(self.key, msgspec.json.encode(self.holder), msg_ttl=self.ttl_s)
+            except nats.js.errors.KeyWrongLastSequenceError:
+                return False  # taken in between
+            log.warning("lease %s lapsed (renewed too late) and was taken again; nobody else held it", self.key)
+            return True
+        if entry.value == msgspec.json.encode(self.holder):
+            self.revision = entry.revision
+            return True
+        return False
+
+    def lost_stops(self, stop: asyncio.Event) -> None:
+        """Set `stop` if the lease is lost (a holder must not go on working beside the new one)."""
+        async def watch() -> None:
+            await self.lost.wait()
+            stop.set()
+
+        self._watch = asyncio.create_task(watch())
+
+    async def release(self) -> None:
+        """Stop renewing and delete the entry if it is still ours (a lost lease is left to its new holder)."""
+        for task in (self._task, self._watch):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        if self.lost.is_set():
+            return
+        try:
+            kv = await self._bucket(self.bus)
+            await kv.delete(self.key, last=self.revision)
+            log.info("lease %s released", self.key)
+        except Exception as e:  # it lapses by its TTL anyway
+            log.warning("lease %s: release failed (%s); it lapses within %ds", self.key, describe(e), self.ttl_s)
 
 
 def install_stop_signals(stop: asyncio.Event, *, report_after_s: float = 45.0) -> None:

@@ -166,10 +166,11 @@ class TrainerConfig(Section):
     max_length: int = 4096
     checkpoint_every: int = 200
     logits_chunk: int = 2048
-    autocast: Literal["auto", "bf16", "off"] = "auto"  # drafter bf16 autocast: auto (GPU, or CPU with bf16 matmul units) | bf16 | off
+    autocast: Literal["auto", "bf16", "off"] = "auto"  # drafter bf16 autocast: auto (GPU, or a CPU where bf16 times faster) | bf16 | off
     # The frozen target's training forward on CPU: fp32 weights, "bf16" autocasts its matmuls (~1.7x
     # on CPUs with AVX512-BF16/AMX, features within ~0.5%; ~7x slower on AVX2-only CPUs, which emulate
-    # bf16), "auto" only where the CPU has bf16 units; GPU targets load as bf16 weights either way.
+    # bf16), "auto" only where a timed probe finds bf16 matmuls faster than fp32 (services/trainer/build.py:
+    # emulated or AVX2-restricted bf16 is not picked); GPU targets load as bf16 weights either way.
     # `dfpipe eval` always decodes with the target as loaded.
     target_autocast: Literal["off", "auto", "bf16"] = "off"
     # >0: the drafter proposes only from the K ids most frequent in the training labels (EAGLE-3's
@@ -193,6 +194,10 @@ class TrainerConfig(Section):
     # Local disk cache of the tokenized shards as flat token/mask arrays, shared by the ranks of a node
     # (empty: <stack.data_dir>/cache/tokenized). Needs about 5 bytes per token of the run's data.
     data_cache_dir: str = ""
+    # signals: the run's training lease (one trainer per run). A holder renews it every third of this; a
+    # trainer killed without releasing it blocks a new one for at most this long (30 s: a few missed renewals
+    # on a loaded machine, short enough that a restart after a crash waits little).
+    lease_ttl_s: float = 30.0
 
 
 class DashboardConfig(Section):

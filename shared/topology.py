@@ -140,6 +140,16 @@ def streams(progress_max_age_s: float) -> list[StreamSpec]:
     ]
 
 
+# --- leases (a NATS KV bucket) ---------------------------------------------------------------------
+
+LEASES_BUCKET = "DFLASH_LEASES"  # one entry per held lease; each entry expires by its own TTL unless renewed
+
+
+def lease_key(run: str, role: str) -> str:
+    """The KV key of a run's lease for one role (e.g. the run's one trainer): `<role>.<run>`."""
+    return f"{check_name('role', role)}.{check_name('run', run)}"
+
+
 def stage_input(stage: str, run: str) -> tuple[str, str]:
     """(stream, filter subject) of the work a stage consumes: one durable consumer per stage and run."""
     table = {

@@ -50,3 +50,64 @@ async def test_restart_after_crash_then_clean_stop(tmp_path):
     assert sup.services["svc"].starts == 2 and sup.state()["svc"] == "running"
     await sup.stop()
     assert sup.state()["svc"] == "stopped" and sup.services["svc"].last_exit == 0
+
+
+async def test_stopping_a_service_ends_what_it_started_in_its_process_group(tmp_path):
+    """A service that leaves a child behind (a dashboard's Streamlit server): stop ends the child too; kill_all
+    ends every group at once."""
+    import asyncio
+    import os
+
+    child = tmp_path / "child.pid"
+    script = (  # a child that ignores SIGTERM and outlives its parent
+        "import subprocess, sys, signal, time\n"
+        "c = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)'])\n"
+        f"open({str(child)!r}, 'w').write(str(c.pid))\n"
+        "signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))\n"
+        "time.sleep(120)\n"
+    )
+    for how in ("stop", "kill_all"):
+        child.unlink(missing_ok=True)
+        sup = Supervisor([ServiceSpec("svc", [sys.executable, "-c", script])], tmp_path, grace_s=5)
+        sup.start()
+        for _ in range(300):
+            if child.exists() and child.read_text():
+                break
+            await asyncio.sleep(0.1)
+        pid = int(child.read_text())
+        if how == "stop":
+            await sup.stop()
+        else:
+            sup.kill_all()
+            await asyncio.gather(*sup._tasks)
+        for _ in range(50):  # killed; re-parented to init, which reaps it
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            await asyncio.sleep(0.1)
+        else:
+            raise AssertionError(f"{how}: the service's child {pid} outlived it")
+
+
+async def test_a_busy_exit_is_retried_not_counted_as_a_crash(tmp_path):
+    """Exit.BUSY (the run's trainer lease is held elsewhere): started again after busy_retry_s, never a crash loop."""
+    import asyncio
+
+    from shared.exits import Exit
+
+    count = tmp_path / "count"
+    script = (
+        "import os, sys\n"
+        f"p = {str(count)!r}\n"
+        "n = len(open(p).read()) if os.path.exists(p) else 0\n"
+        "open(p, 'a').write('x')\n"
+        f"sys.exit({int(Exit.BUSY)} if n < 4 else 0)\n"
+    )
+    sup = Supervisor([ServiceSpec("trainer", [sys.executable, "-c", script], one_shot=True)], tmp_path,
+                     crash_limit=2, busy_retry_s=0.05)
+    sup.start()
+    assert await asyncio.wait_for(sup.wait("trainer"), 60) == "done"
+    await sup.stop()
+    assert sup.services["trainer"].starts == 5 and not sup.services["trainer"].crashes

@@ -114,7 +114,7 @@ def training_gpus(cfg: Config, groups: list[GpuGroup | None]) -> list[int]:
     return all_gpus([g for g in groups if g is not None])
 
 
-def trainer_spec(cfg: Config, groups: list[GpuGroup | None]) -> ServiceSpec:
+def trainer_spec(cfg: Config, groups: list[GpuGroup | None], *, grace_s: float | None = None) -> ServiceSpec:
     """The trainer: one process, or torchrun with one rank per training GPU (NCCL) or `cpu_train_ranks` (gloo)."""
     gpus = training_gpus(cfg, groups)
     ranks = len(gpus) if gpus else cfg.layout.cpu_train_ranks
@@ -133,7 +133,7 @@ def trainer_spec(cfg: Config, groups: list[GpuGroup | None]) -> ServiceSpec:
     # Started once tokenization is done: the step count is planned from the whole dataset. (A trainer started by
     # hand or in compose may start early: later shards join its next pass, and its passes count as epochs once
     # generation and tokenization are done.)
-    return ServiceSpec("trainer", argv, env=env, one_shot=True, deferred=True)
+    return ServiceSpec("trainer", argv, env=env, one_shot=True, deferred=True, grace_s=grace_s)
 
 
 def target_bytes_bf16(target_dir: Path) -> int:

@@ -13,13 +13,16 @@ been unreachable, and the run goes on when it answers again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import msgspec
 
@@ -37,10 +40,14 @@ from shared.topology import Keys, Subjects
 from shared.view import RunView
 
 from .layout import engine_urls, engines_still_up, generator_argv, launched_engine_urls, trainer_spec
-from .supervisor import ServiceSpec, ServiceState, Supervisor
+from .supervisor import ServiceSpec, ServiceState, Supervisor, kill_group
 
 log = logging.getLogger("dflash.run")
+T = TypeVar("T")
 
+# A stopped trainer finishes its step and saves a checkpoint before it exits: on a busy CPU or with a large
+# drafter that takes minutes, and a SIGKILL before it ends loses every step since the last checkpoint.
+TRAINER_GRACE_S = 300.0
 BUNDLED_PROMPTS = Path(__file__).parent / "data" / "prompts.jsonl"
 DEMO_CONFIG = Path(__file__).parent / "data" / "demo.toml"
 
@@ -71,7 +78,7 @@ def service_specs(cfg: Config, request: RunRequest) -> list[ServiceSpec]:
                                                                              cfg.generator.launch))))
     specs.append(ServiceSpec("tokenizer", cli_argv("tokenize", "--run", run)))
     if request.train:
-        specs.append(trainer_spec(cfg, request.generators))
+        specs.append(trainer_spec(cfg, request.generators, grace_s=TRAINER_GRACE_S))
     if request.dashboard:
         specs.append(ServiceSpec("dashboard", cli_argv("dashboard", "--run", run)))
     for s in specs:
@@ -182,8 +189,54 @@ class Unreachable:
         self.since, self._said = None, 0.0
 
 
+class StopSignals:
+    """SIGTERM, SIGINT and SIGHUP (a scheduler, `docker stop`, Ctrl-C, a closed terminal) ask `dfpipe run` to stop:
+    the first sets `requested` (the run drains and stops every service it started, then exits Exit.STOPPED); a
+    second ends every service's process group at once and exits Exit.STOPPED too (nothing is lost: work is acked
+    only once its output is written, so the unacked work is redone by the next run)."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+    def __init__(self, kill_now: Callable[[], None]) -> None:
+        self.requested = asyncio.Event()
+        self.name = ""
+        self.kill_now = kill_now
+
+    def __enter__(self) -> StopSignals:
+        loop = asyncio.get_running_loop()
+        for sig in self.SIGNALS:
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in self.SIGNALS:
+            loop.remove_signal_handler(sig)
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        if self.requested.is_set():
+            self.kill_now()
+            with contextlib.suppress(OSError):  # the terminal may be gone (SIGHUP)
+                print(f"\nsecond {sig.name}: every service killed; nothing is lost, the same command resumes",
+                      flush=True)
+            os._exit(Exit.STOPPED)
+        self.name = sig.name
+        self.requested.set()
+        with contextlib.suppress(OSError):
+            print(f"\n{sig.name}: draining and stopping every service of this run (a second signal kills them "
+                  "at once)", flush=True)
+
+
 async def run_pipeline(cfg: Config, request: RunRequest, *, env: dict[str, str], show: bool = True,
                        poll_s: float = 2.0) -> int:
+    children: list[Callable[[], None]] = []  # kill_all of what is running now: the supervisor, the eval
+    with StopSignals(lambda: [kill() for kill in children]) as signals:
+        return await _run_pipeline(cfg, request, env=env, show=show, poll_s=poll_s, signals=signals,
+                                   children=children)
+
+
+async def _run_pipeline(cfg: Config, request: RunRequest, *, env: dict[str, str], show: bool, poll_s: float,
+                        signals: StopSignals, children: list[Callable[[], None]]) -> int:
     store = await asyncio.to_thread(Store.open, cfg)
     started_with = msgspec.structs.replace(
         cfg, generator=msgspec.structs.replace(cfg.generator, backend=request.backend)) if request.backend else cfg
@@ -197,12 +250,14 @@ async def run_pipeline(cfg: Config, request: RunRequest, *, env: dict[str, str],
 
         request.extra_env.update(env)
         sup = Supervisor(service_specs(cfg, request), logs, on_crash_loop=on_crash, grace_s=cfg.generator.drain_s + 15)
+        children.append(sup.kill_all)
         sup.start()
         if request.dashboard:
             print(f"dashboard: http://{cfg.dashboard.host}:{cfg.dashboard.port}/  (logs in {logs})", flush=True)
         generators = [n for n in sup.services if n.startswith("generator-")]
         phase = "generate"
         outcome = Exit.OK
+        keep_dashboard = False  # only a run that finished its phases keeps the page up while the eval runs
         ledger = RunLedger(cfg, bus, store)  # each poll folds only the events since the last
         unreachable = Unreachable()
         try:
@@ -210,7 +265,7 @@ async def run_pipeline(cfg: Config, request: RunRequest, *, env: dict[str, str],
                 def say(line: str) -> None:
                     display.console.print(line, markup=False, highlight=False)
 
-                while True:
+                while not signals.requested.is_set():
                     try:
                         p = await run_overview(cfg, bus, store, ledger)
                     except Exception as e:  # each read was retried through a failover already
@@ -250,16 +305,27 @@ async def run_pipeline(cfg: Config, request: RunRequest, *, env: dict[str, str],
                         state = sup.state()["trainer"]
                         if state == "done":
                             break
-                    await asyncio.sleep(poll_s)
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(signals.requested.wait(), timeout=poll_s)
+                keep_dashboard = not signals.requested.is_set() and not outcome and request.dashboard
         finally:
-            if outcome or not request.dashboard:
+            if not keep_dashboard:
                 await sup.stop()
+        if signals.requested.is_set():
+            return stopped_by(signals.name, sup)
         if outcome:
             return outcome
         report = None
         if request.train:
-            proc = await asyncio.create_subprocess_exec(*cli_argv("eval", "--run", cfg.run), env={**os.environ, **env})
-            if await proc.wait() != Exit.OK:
+            proc = await asyncio.create_subprocess_exec(*cli_argv("eval", "--run", cfg.run), env={**os.environ, **env},
+                                                        start_new_session=True)  # a terminal's Ctrl-C is ours to relay
+            children.append(lambda: kill_group(proc.pid))
+            if await until_signal(proc.wait(), signals.requested) is None:  # an eval is redone whole: nothing to drain
+                kill_group(proc.pid)
+                await proc.wait()
+                await sup.stop()
+                return stopped_by(signals.name, sup)
+            if proc.returncode != Exit.OK:
                 print("eval failed (see above)")
                 outcome = Exit.EVAL_FAILED
             else:
@@ -270,6 +336,27 @@ async def run_pipeline(cfg: Config, request: RunRequest, *, env: dict[str, str],
         print_artifacts(cfg, store, report, final, on_cpu=all(g is None for g in request.generators))
         await sup.stop()
         return outcome
+
+
+async def until_signal(step: Awaitable[T], requested: asyncio.Event) -> T | None:
+    """`step`'s result, or None (and `step` cancelled) once a stop is requested."""
+    task = asyncio.ensure_future(step)
+    stop = asyncio.create_task(requested.wait())
+    await asyncio.wait([task, stop], return_when=asyncio.FIRST_COMPLETED)
+    stop.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    return None
+
+
+def stopped_by(signal_name: str, sup: Supervisor) -> int:
+    """The closing line of a run stopped by a signal: every service stopped, and how to go on."""
+    left = [n for n, st in sup.services.items() if st.proc is not None and st.proc.returncode is None]
+    print(f"run stopped by {signal_name}: " + (f"still running: {', '.join(left)}" if left else
+          "every service it started has stopped") + "; nothing is lost, the same command resumes (the embedded "
+          "stack keeps running: `dfpipe stack down` stops it)", flush=True)
+    return Exit.STOPPED
 
 
 def print_artifacts(cfg: Config, store: Store, report: dict | None, st: RunStatus, on_cpu: bool = False) -> None:

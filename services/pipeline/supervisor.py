@@ -4,7 +4,12 @@ Each service runs as its own OS process (one event loop each, faults isolated). 
 that exits non-zero is restarted after an exponential backoff; `crash_limit` crashes inside
 `crash_window_s` is a crash loop: the service is not restarted again and the loop is
 reported (an Alert on the bus and the supervisor's own state), never hidden. A one-shot
-service (the feeder) that exits 0 is done.
+service (the feeder) that exits 0 is done. A service that exits `Exit.BUSY` (the run's trainer lease is held
+by another process) is not crashing: it is started again every `busy_retry_s` until the lease is free.
+
+A supervisor owns what it starts: each service is the leader of its own process group, and stopping a service
+ends its whole group (a dashboard's Streamlit server, a launcher's workers), so nothing it started outlives it.
+`stop()` drains (SIGTERM, then SIGKILL after the grace period); `kill_all()` ends every group at once.
 
 The restart delay is the failure policy's backoff (`shared.failures.backoff_s`), but not its retry helper:
 a restart is not a call to repeat until a deadline. Its attempts are process lifetimes that count only
@@ -38,6 +43,7 @@ class ServiceSpec:
     env: dict[str, str] = field(default_factory=dict)
     one_shot: bool = False  # exit 0 means done, not "restart me"
     deferred: bool = False  # not started by start(): launch(name) starts it when its phase comes
+    grace_s: float | None = None  # how long a stop waits before SIGKILL (None: the supervisor's)
 
 
 @dataclass
@@ -47,7 +53,7 @@ class ServiceState:
     starts: int = 0
     crashes: deque[float] = field(default_factory=deque)
     last_exit: int | None = None
-    state: str = "pending"  # pending | starting | running | backoff | done | crash_loop | stopped
+    state: str = "pending"  # pending | starting | running | backoff | busy | done | crash_loop | stopped
     proc: asyncio.subprocess.Process | None = None
     stop_requested: bool = False  # stopped on purpose: its exit is not a crash
 
@@ -63,6 +69,7 @@ class Supervisor:
         backoff_base_s: float = 1.0,
         backoff_cap_s: float = 60.0,
         grace_s: float = 30.0,
+        busy_retry_s: float = 10.0,
         on_crash_loop: Callable[[ServiceState], Awaitable[None]] | None = None,
     ) -> None:
         self.services = {s.name: ServiceState(s) for s in specs}
@@ -72,6 +79,7 @@ class Supervisor:
         self.backoff_base_s = backoff_base_s
         self.backoff_cap_s = backoff_cap_s
         self.grace_s = grace_s
+        self.busy_retry_s = busy_retry_s
         self.on_crash_loop = on_crash_loop
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = asyncio.Event()
@@ -103,6 +111,13 @@ class Supervisor:
                 st.state = "done"
                 log.info("%s finished", st.spec.name)
                 return
+            if code == Exit.BUSY:  # another process holds what it needs (the run's lease): wait, not a crash
+                st.state = "busy"
+                log.warning("%s: another process holds the run's lease (see %s); trying again in %.0fs",
+                            st.spec.name, self.log_dir / f"{st.spec.name}.log", self.busy_retry_s)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._stopping.wait(), timeout=self.busy_retry_s)
+                continue
             now = time.monotonic()
             st.crashes.append(now)
             while st.crashes and now - st.crashes[0] > self.crash_window_s:
@@ -140,18 +155,29 @@ class Supervisor:
         st.stop_requested = True
         proc = st.proc
         if proc is None or proc.returncode is not None:
-            if st.state in ("pending", "starting", "backoff", "running"):
+            if st.state in ("pending", "starting", "backoff", "busy", "running"):
                 st.state = "stopped"
             return
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(signal.SIGTERM)
+        grace = st.spec.grace_s or self.grace_s
         try:
-            await asyncio.wait_for(proc.wait(), timeout=self.grace_s)
+            await asyncio.wait_for(proc.wait(), timeout=grace)
         except TimeoutError:
-            log.warning("%s did not stop within %.0fs; killing", name, self.grace_s)
+            log.warning("%s did not stop within %.0fs; killing", name, grace)
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             await proc.wait()
+        kill_group(proc.pid)  # what it started and left behind cannot drain without it
+
+    def kill_all(self) -> None:
+        """SIGKILL every service's process group now (a second stop signal): nothing is lost, since every
+        service acks its input only after its output is written; the unacked work comes back to the next run."""
+        self._stopping.set()
+        for st in self.services.values():
+            st.stop_requested = True
+            if st.proc is not None:
+                kill_group(st.proc.pid)
 
     async def stop(self) -> None:
         self._stopping.set()
@@ -163,3 +189,9 @@ class Supervisor:
         while self.services[name].state not in ("done", "crash_loop", "stopped"):
             await asyncio.sleep(0.2)
         return self.services[name].state
+
+
+def kill_group(pgid: int) -> None:
+    """SIGKILL a service's process group (its leader's pid: each service starts a session of its own)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)

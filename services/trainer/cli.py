@@ -13,12 +13,19 @@ from shared.exits import Exit
 
 
 def _train(args: argparse.Namespace) -> int:
+    from shared.bus import LeaseHeld
     from shared.cli import load
 
     from .loop import run_trainer
 
     cfg = load(args)
-    p = asyncio.run(run_trainer(cfg))
+    try:
+        p = asyncio.run(run_trainer(cfg))
+    except LeaseHeld as e:  # another trainer is training this run: two would overwrite each other's checkpoints
+        print(f"dfpipe train: run {cfg.run} is already being trained: {e}; this trainer does not start (it may "
+              f"once that one stops, or within trainer.lease_ttl_s = {cfg.trainer.lease_ttl_s:g}s of its death)",
+              file=sys.stderr)
+        return Exit.BUSY
     print(f"trainer {cfg.run}: step {p.step}, loss {p.loss:.4f}, estimated τ {p.estimated_tau:.2f}, "
           f"state {p.state}, checkpoint {p.checkpoint_key}")
     return Exit.OK if p.state == "done" else Exit.STOPPED  # "stopped": resumable, not finished

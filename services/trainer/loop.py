@@ -19,14 +19,14 @@ import msgspec
 import numpy as np
 import torch
 
-from shared.bus import Bus, ProgressLoop
+from shared.bus import Bus, Lease, LeaseHeld, ProgressLoop
 from shared.config import Config
 from shared.failures import Failure, classify, describe
 from shared.ledger import RunLedger, data_complete
 from shared.messages import TrainerProgress
 from shared.runconfig import record_run_config, settings_fingerprint
 from shared.store import Store
-from shared.topology import Keys, Subjects
+from shared.topology import Keys, Subjects, lease_key
 
 from .blocks import estimated_tau
 from .build import autocast_dtype, build, draft_vocab_ids
@@ -386,12 +386,30 @@ async def run_trainer(cfg: Config, *, stop: asyncio.Event | None = None) -> Trai
     torch.manual_seed(cfg.trainer.seed)  # the same initial drafter on every rank
     ranks = Dist.from_env(cfg.model.device)
 
+    lease: list[Lease] = []  # rank 0's hold on the run's training, from before the model load to the end
+
     async def on_startup(ctx: Context) -> Trainer:
+        holder = None
+        if ranks.main:
+            try:
+                lease.append(await Lease.acquire(ctx.bus, lease_key(cfg.run, "trainer"), cfg.trainer.lease_ttl_s,
+                                                 f"trainer of run {cfg.run}"))
+            except LeaseHeld as e:
+                holder = e
+        if held := await asyncio.to_thread(ranks.from_main, holder):  # every rank refuses together
+            raise held
+        if lease:  # a lease that lapsed and was taken: stop at once, as on a signal (the other trainer goes on)
+            lease[0].lost_stops(ctx.stop)
         return await startup_thread(lambda: Trainer(cfg, ctx.bus, ctx.store, dist=ranks))
 
+    async def release(_: Trainer | None = None) -> None:  # while the bus is open (on_stop); else it lapses by TTL
+        while lease:
+            await lease.pop().release()
+
     async def on_shutdown(_: Trainer | None) -> None:
+        await release()
         ranks.close()
 
     trainer = await serve(Service(name=f"trainer-{ranks.rank}", on_startup=on_startup, main=Trainer.run_until,
-                                  on_shutdown=on_shutdown, connect_deadline_s=60), cfg, stop=stop)
+                                  on_stop=release, on_shutdown=on_shutdown, connect_deadline_s=60), cfg, stop=stop)
     return trainer.last if trainer is not None else TrainerProgress(run=cfg.run, worker="trainer", state="stopped")

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from torch.profiler import record_function
 
 from shared.config import TrainerConfig
 from shared.records import TokenizedSample
@@ -25,6 +26,11 @@ from .model import DFlashDrafter
 from .model_dflash2 import DFlash2Drafter
 
 Microbatch = list[tuple[int, TokenizedSample]]  # (position in the pass's order, sample)
+
+# The step's parts, as torch.profiler ranges (free when no profiler runs; bench/train_speed.py sums them). The
+# head's gradient is computed in its forward (services/trainer/loss.py), so "head + CE" holds the head's whole
+# cost and "backward" the drafter's (and the selector's).
+PHASES = ("target forward", "drafter forward", "head + CE", "selector", "backward", "optimizer")
 
 
 def sequence_blocks(sample: TokenizedSample, anchors_n: int, seed: int, step: int, index: int, max_length: int,
@@ -50,7 +56,8 @@ def sequence_loss(target: Target, drafter: DFlashDrafter, b: Blocks, chunk: int,
     c = drafter.config
     device = next(drafter.parameters()).device
     S, q_pos = feats.shape[0], b.q_pos.to(device)
-    with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
+    with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None), \
+            record_function(PHASES[1]):
         emb = target.embed(b.block_ids.to(device))
         hidden = drafter(emb, feats, q_pos, torch.arange(S, device=device), b.mask.to(device))
     head = drafter.head_rows(target.head_weight(amp or hidden.dtype))
@@ -60,22 +67,28 @@ def sequence_loss(target: Target, drafter: DFlashDrafter, b: Blocks, chunk: int,
     teacher = None if final is None else label_states(final, q_pos[keep])
     if isinstance(drafter, DFlash2Drafter):
         selector = drafter.candidate_selector
-        total, _, top_values, top_ids = head_cross_entropy_top_k(hidden[keep].to(head.dtype), head, rows, w[keep],
-                                                                 selector.top_k, chunk, teacher)
+        with record_function(PHASES[2]):
+            total, _, top_values, top_ids = head_cross_entropy_top_k(hidden[keep].to(head.dtype), head, rows,
+                                                                     w[keep], selector.top_k, chunk, teacher)
         labels = b.labels.to(device)  # slot k−1's label is slot k's predecessor (slot 0's: the anchor itself)
-        picked, hits, _ = selector.loss(hidden[keep], labels[keep - 1], top_values, top_ids, labels[keep], w[keep])
+        with record_function(PHASES[3]):
+            picked, hits, _ = selector.loss(hidden[keep], labels[keep - 1], top_values, top_ids, labels[keep],
+                                            w[keep])
         total = total + selector_weight * picked
     elif drafter.draft_vocab is None:
-        total, hits = head_cross_entropy(hidden[keep].to(head.dtype), head, rows, w[keep], chunk, teacher)
+        with record_function(PHASES[2]):
+            total, hits = head_cross_entropy(hidden[keep].to(head.dtype), head, rows, w[keep], chunk, teacher)
     else:  # labels outside the draft vocabulary cannot be proposed: out of the loss, counted as misses
         inside = rows >= 0
-        total, hits_in = head_cross_entropy(hidden[keep[inside]].to(head.dtype), head, rows[inside],
-                                            w[keep[inside]], chunk, None if teacher is None else teacher[inside])
+        with record_function(PHASES[2]):
+            total, hits_in = head_cross_entropy(hidden[keep[inside]].to(head.dtype), head, rows[inside],
+                                                w[keep[inside]], chunk, None if teacher is None else teacher[inside])
         hits = torch.zeros(len(keep), dtype=torch.bool, device=device).masked_scatter_(inside, hits_in)
     slot = (keep % c.block_size).cpu()
     stats["hits"].index_add_(0, slot, hits.float().cpu())
     stats["counts"].index_add_(0, slot, torch.ones(len(slot)))
-    (total * scale).backward()
+    with record_function(PHASES[4]):
+        (total * scale).backward()
     stats["loss_sum"] += float(total.detach())
     stats["tokens"] += S
 
@@ -123,7 +136,7 @@ class DrafterStep:
             for mb, bs in list(zip(micro, blocks, strict=True))[self.dist.rank::self.dist.world]:
                 t1 = time.perf_counter()  # the micro-batch's target forward, batched
                 with torch.autocast(torch.device(self.device).type, dtype=self.target_amp or torch.float32,
-                                    enabled=self.target_amp is not None):
+                                    enabled=self.target_amp is not None), record_function(PHASES[0]):
                     seqs = [torch.tensor(s.input_ids[: t.max_length], device=self.device) for _, s in mb]
                     feats = self.target.features_and_final_many(seqs) if t.soft_labels else \
                         [(f, None) for f in self.target.features_many(seqs)]
@@ -132,9 +145,10 @@ class DrafterStep:
                     if b is not None:
                         sequence_loss(self.target, self.drafter, b, t.logits_chunk, 1.0 / weight_sum, stats, self.amp,
                                       f, final, t.selector_loss_weight)
-            self.dist.sum_grads(list(self.drafter.parameters()))
-            torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), t.grad_clip)
-            self.opt.step()
+            with record_function(PHASES[5]):
+                self.dist.sum_grads(list(self.drafter.parameters()))
+                torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), t.grad_clip)
+                self.opt.step()
         elapsed = time.perf_counter() - t0
         totals = self.dist.sum(torch.tensor([stats["loss_sum"], stats["tokens"], stats["target_s"], elapsed],
                                             dtype=torch.float64))
