@@ -37,6 +37,7 @@ async def _eval_async(cfg: Any, limit: int | None, sampling: Any = None, seeds: 
     import torch
 
     from shared.bus import Bus
+    from shared.machine import describe_machine
     from shared.messages import EvalReport
     from shared.store import Store
     from shared.topology import Keys, Subjects
@@ -88,7 +89,8 @@ async def _eval_async(cfg: Any, limit: int | None, sampling: Any = None, seeds: 
                             acceptance_histogram=r["acceptance_histogram"], speedup=r["speedup"],
                             lossless=r["lossless"], mismatches=r["mismatches"], temperature=r["temperature"],
                             top_p=r["top_p"], top_k=r["top_k"], seeds=r["seeds"], tau_per_seed=r["tau_per_seed"],
-                            tau_std=r["tau_std"], max_new_tokens=max_new)
+                            tau_std=r["tau_std"], max_new_tokens=max_new,
+                            machine=describe_machine("cpu"))  # the eval decodes on the CPU (load_causal_lm)
         await asyncio.to_thread(store.put_bytes, Keys.eval_report(cfg.run), msgspec.json.encode(report),
                                 "application/json")
         await bus.publish(Subjects.progress(cfg.run, "eval", "eval"), report)
