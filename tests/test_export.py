@@ -264,3 +264,26 @@ def test_eval_pick_reads_only_the_shards_it_needs(stack) -> None:
     assert picks[0] == [prompt_part(sample(n)) for n in expected]
     needed = expected[-1] // 5 + 1  # the shard holding the 6th held-out prompt
     assert len(reads) == 2 * needed and needed < 20, (needed, len(reads))
+
+
+def test_dfpipe_run_ends_by_printing_the_export_commands_and_they_parse(capsys) -> None:
+    import shlex
+    from types import SimpleNamespace
+
+    from services.pipeline.run import print_artifacts
+    from shared.cli import build_parser
+    from shared.config import load_config
+    from shared.status import RunStatus
+
+    cfg = load_config(env={})
+    store = SimpleNamespace(uri=lambda key: f"s3://b/{key}")
+    report = {"tau": 1.9, "prompts": 16, "speedup": 0.9, "lossless": True}
+    print_artifacts(cfg, store, report, RunStatus(run=cfg.run))  # type: ignore[arg-type]
+    lines = [line.split("#")[0].strip() for line in capsys.readouterr().out.splitlines() if "dfpipe export" in line]
+    assert [shlex.split(line)[1] for line in lines] == ["export", "export-data"]
+    for line in lines:
+        args = build_parser().parse_args(shlex.split(line)[1:])
+        assert args.run == cfg.run and args.dir.startswith(f"./{cfg.run}-")
+    print_artifacts(cfg, store, None, RunStatus(run=cfg.run))  # not trained: only the data to export
+    assert next(line for line in capsys.readouterr().out.splitlines() if "dfpipe export" in line).strip().startswith(
+        "dfpipe export-data")
