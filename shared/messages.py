@@ -178,6 +178,7 @@ class EvalReport(Message, tag="eval_report"):
     tau_per_seed: list[float] = []
     tau_std: float = 0.0  # sample standard deviation of tau over seeds
     max_new_tokens: int = 0  # per prompt (trainer.eval_max_new_tokens); 0 in reports written before it was kept
+    machine: str = ""  # where τ and the speedup were measured (shared.machine); "" in reports written before
 
 
 class Alert(Message, tag="alert"):

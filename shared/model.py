@@ -135,3 +135,76 @@ def load_causal_lm(target: str = DEFAULT_TARGET, *, device: str = "cpu", dtype: 
         dtype = torch.float32 if device == "cpu" else torch.bfloat16
     model = AutoModelForCausalLM.from_pretrained(resolve_target(target), local_files_only=True, dtype=dtype)
     return model.to(device).eval()
+
+
+# --- the target's identity: what a drafter was trained against -----------------------------------------------
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+
+
+def _file_sha256(path: Path) -> str:
+    """A weight file's sha256, remembered per (path, size, mtime) so a 50 GB target is read once per machine,
+    not at every trainer start. A Hugging Face cache names a file's blob by its sha256 already: taken as is."""
+    import hashlib
+    import json
+
+    real = path.resolve()
+    if len(real.name) == 64 and all(c in "0123456789abcdef" for c in real.name) and real.parent.name == "blobs":
+        return real.name
+    st = real.stat()
+    memo = model_cache_dir().parent / "sha256" / (hashlib.sha256(str(real).encode()).hexdigest()[:32] + ".json")
+    stamp = {"path": str(real), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    try:
+        known = json.loads(memo.read_text())
+        if {k: known.get(k) for k in stamp} == stamp:
+            return str(known["sha256"])
+    except (OSError, ValueError, KeyError):
+        pass
+    h = hashlib.sha256()
+    with open(real, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    digest = h.hexdigest()
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_name(f"{memo.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({**stamp, "sha256": digest}))
+        os.replace(tmp, memo)
+    except OSError:
+        pass  # a read-only cache only costs the hash again next time
+    return digest
+
+
+def target_identity(target: str = DEFAULT_TARGET) -> dict[str, Any]:
+    """Which target model `target` (an alias or a directory) is, byte for byte: what the card of an exported
+    drafter names. `config_sha256` hashes config.json; `weights_sha256` hashes the sorted list of
+    (weight file name, its sha256), so the same weights under another folder give the same value."""
+    import hashlib
+    import json
+
+    path = resolve_target(target)
+    config = json.loads((path / "config.json").read_text())
+    files = sorted(p for p in path.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
+    per_file = {p.name: _file_sha256(p) for p in files}
+    source = {"alias": target, "package": PACKAGED_MODELS[target][0], "file": PACKAGED_MODELS[target][1]} \
+        if target in PACKAGED_MODELS else {}
+    if source:
+        import contextlib
+        from importlib.metadata import PackageNotFoundError, version
+
+        with contextlib.suppress(PackageNotFoundError):
+            source["package_version"] = version(source["package"].replace("_", "-"))
+    return {
+        "target": target,
+        "path": str(path),
+        "name_or_path": config.get("_name_or_path") or path.name,
+        "architectures": config.get("architectures", []),
+        "model_type": config.get("model_type", ""),
+        "num_hidden_layers": config.get("num_hidden_layers"),
+        "hidden_size": config.get("hidden_size"),
+        "vocab_size": config.get("vocab_size"),
+        "config_sha256": hashlib.sha256((path / "config.json").read_bytes()).hexdigest(),
+        "weights_sha256": hashlib.sha256(json.dumps(sorted(per_file.items())).encode()).hexdigest(),
+        "weight_files": per_file,
+        "source": source,
+    }

@@ -192,6 +192,11 @@ class Keys:
         return Keys.run(run) + "calibration.json"
 
     @staticmethod
+    def target(run: str) -> str:
+        """The identity of the target the run trained against (JSON: shared.model.target_identity)."""
+        return Keys.run(run) + "target.json"
+
+    @staticmethod
     def rejects(run: str) -> str:
         """The records the feeder refused, with reasons (JSON lines; one source's lines replaced per feed)."""
         return Keys.run(run) + "rejects.jsonl"

@@ -271,7 +271,7 @@ def test_dflash2_trains_resumes_exactly_after_kill9_and_evals_losslessly(stack, 
     assert resumed.returncode != 0 and "lacks dflash_config.conv_kernel_size" in resumed.stderr, resumed.stderr[-2000:]
 
 
-def test_reference_dflash2_loads_the_checkpoint_and_decodes_as_our_eval(trained, tmp_path: Path) -> None:
+def test_reference_dflash2_loads_the_checkpoint_and_decodes_as_our_eval(stack, trained, tmp_path: Path) -> None:
     """z-lab's `DFlash2DraftModel.from_pretrained` takes the trained checkpoint with no missing, unexpected or
     mismatched tensor, and its `dflash_generate` (greedy, fp32, CPU, the real SmolLM2 target) gives the
     same tokens and the same per-cycle acceptance lengths as our eval's decoding, prompt by prompt."""
@@ -283,9 +283,20 @@ def test_reference_dflash2_loads_the_checkpoint_and_decodes_as_our_eval(trained,
     ref = reference_model_module()  # imported from the reference's own install, with its CPU timer shim
 
     run, store = trained["run"], trained["store"]
-    ckpt = json.loads(store.get_bytes(f"runs/{run}/checkpoints/latest.json"))["key"]
-    for name in ("config.json", "model.safetensors"):
-        store.get_file(f"{ckpt}drafter/{name}", tmp_path / name)
+    tmp_path = tmp_path / "exported"  # the folder `dfpipe export` writes: what a user serves
+
+    async def export() -> None:
+        from services.export.drafter import export_drafter
+
+        cfg = make_config(stack, run)
+        async with await Bus.connect(cfg.bus, "pytest", deadline_s=10) as bus:
+            await export_drafter(cfg, store, bus, str(tmp_path))
+
+    asyncio.run(export())
+    # DFlash 2's logit and embedding keys, stated at the values under which the reference computes what was
+    # trained: the decode below matching ours is the check that these are those values
+    dc = json.loads((tmp_path / "config.json").read_text())["dflash_config"]
+    assert (dc["output_multiplier"], dc["final_logit_softcapping"], dc["input_embedding_scale"]) == (1.0, 0.0, 1.0)
     model, info = ref.DFlash2DraftModel.from_pretrained(tmp_path, output_loading_info=True, dtype=torch.float32)
     assert {k: v for k, v in info.items() if v} == {}, info  # missing, unexpected, mismatched, errors: none
     model.eval()

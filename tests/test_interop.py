@@ -66,9 +66,10 @@ def trained(stack, stack_env, target_dir: Path, tmp_path_factory):
     import asyncio
     import hashlib
 
+    from services.export.drafter import export_drafter
     from services.tokenizer.fingerprint import load_target_tokenizer, template_fingerprint
     from services.tokenizer.samples import SampleBuilder
-    from services.trainer.data import load_samples, prompt_part
+    from services.trainer.data import held_out_prompts
     from shared.bus import Bus
     from shared.messages import TokenizedShard
     from shared.model import load_causal_lm
@@ -98,12 +99,17 @@ def trained(stack, stack_env, target_dir: Path, tmp_path_factory):
     env = _env(stack_env, **TRAIN)
     proc = _spawn(env, run, tmp / "train.log", "train")
     assert proc.wait(timeout=900) == 0, (tmp / "train.log").read_text()[-3000:]
-    ckpt = json.loads(store.get_bytes(Keys.checkpoint_latest(run)))["key"]
     out = tmp / "drafter"
-    for name in ("config.json", "model.safetensors"):
-        store.get_file(f"{ckpt}drafter/{name}", out / name)
-    held = load_samples(store, [key], holdout_mod=TRAIN["holdout_mod"], train=False)
-    prompts = [prompt_part(s) for s in held][: TRAIN["eval_prompts"]]
+    eval_cfg = make_config(stack, run, trainer={k: TRAIN[k] for k in ("block_size", "holdout_mod", "eval_prompts")})
+
+    async def export_and_pick() -> list[list[int]]:
+        """The drafter as `dfpipe export` writes it (every test below reads that folder), and the held-out
+        prompts as `dfpipe eval` picks them."""
+        async with await Bus.connect(cfg.bus, "pytest", deadline_s=10) as bus:
+            await export_drafter(eval_cfg, store, bus, str(out))
+            return await held_out_prompts(eval_cfg, store, bus)
+
+    prompts = asyncio.run(export_and_pick())
     assert len(prompts) >= 3
     return {"run": run, "env": env, "dir": out, "lm": lm, "prompts": prompts, "store": store,
             "eos": [lm.generation_config.eos_token_id]}
@@ -244,11 +250,17 @@ def test_contract_sglang_dflash_config_parser_reads_our_keys(tmp_path: Path) -> 
     `dflash_config.mask_token_id`/`mask_token`. Both places hold the same value, so no engine's order of
     precedence can pick a stale one. (The weights side is test_trainer's SGLang loader contract test.)"""
     cfg = _small_checkpoint(tmp_path)
+    check_sglang_contract(cfg)
+    dc = cfg["dflash_config"]
+    assert cfg["num_hidden_layers"] == 3 and dc["block_size"] == 8 and dc["num_target_layers"] == 12
+    assert dc["target_layer_ids"] == [1, 3, 5, 7, 9]
+
+
+def check_sglang_contract(cfg: dict) -> None:
     dc = cfg["dflash_config"]
     for key in ("block_size", "num_target_layers"):
         assert dc[key] == cfg[key], key
-    assert cfg["num_hidden_layers"] == 3 and dc["block_size"] == 8 and dc["num_target_layers"] == 12
-    assert dc["target_layer_ids"] == [1, 3, 5, 7, 9] and all(0 <= i < dc["num_target_layers"] for i in dc["target_layer_ids"])
+    assert all(0 <= i < dc["num_target_layers"] for i in dc["target_layer_ids"])
     assert isinstance(dc["mask_token_id"], int)
 
 
@@ -267,20 +279,27 @@ def test_contract_vllm_dflash_model_reads_our_keys(tmp_path: Path) -> None:
       makes it expect its own lm_head and a `d2t` tensor: ours has none at the top level;
     - tensors: q/k/v_proj stacked into qkv_proj, gate/up_proj into gate_up_proj, the rest by name, under
       `model.`; an `embed_tokens` or `lm_head` tensor would replace the target's."""
+    cfg = _small_checkpoint(tmp_path)
+    check_vllm_contract(tmp_path)
+    assert cfg["dflash_config"]["target_layer_ids"] == [1, 3, 5, 7, 9] and cfg["head_dim"] == 16
+
+
+def check_vllm_contract(folder: Path) -> None:
     from safetensors import safe_open
 
-    cfg = _small_checkpoint(tmp_path)
+    cfg = json.loads((folder / "config.json").read_text())
     dc = cfg["dflash_config"]
     assert cfg["is_causal"] is False and "causal" not in dc
     assert cfg["layer_types"] == ["full_attention"] * cfg["num_hidden_layers"] and not dc.get("use_swa", False)
-    assert cfg["rope_parameters"] == {"rope_type": "default", "rope_theta": 1e5}
+    assert cfg["rope_parameters"] == {"rope_type": "default", "rope_theta": 1e5}  # SmolLM2's and the tiny one's
     assert cfg.get("is_neox_style", True) is True
-    assert "eagle_aux_hidden_state_layer_ids" not in cfg and dc["target_layer_ids"] == [1, 3, 5, 7, 9]
+    assert "eagle_aux_hidden_state_layer_ids" not in cfg
     assert "target_hidden_size" not in cfg and "draft_vocab_size" not in cfg and not cfg.get("attention_bias")
-    assert cfg["head_dim"] == 16 and cfg["hidden_act"] == "silu"
-    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+    assert cfg["hidden_act"] == "silu"
+    with safe_open(folder / "model.safetensors", "pt") as f:
         names = set(f.keys())
-        assert f.get_slice("fc.weight").get_shape() == [64, 5 * 64]
+        D = cfg["hidden_size"]
+        assert f.get_slice("fc.weight").get_shape() == [D, len(dc["target_layer_ids"]) * D]
     stacked = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
                "up_proj": "gate_up_proj"}
     theirs = {"fc.weight", "hidden_norm.weight", "norm.weight"} | {
@@ -289,3 +308,44 @@ def test_contract_vllm_dflash_model_reads_our_keys(tmp_path: Path) -> None:
             "self_attn.q_norm", "self_attn.k_norm", "mlp.gate_up_proj", "mlp.down_proj")}
     assert {".".join(stacked.get(part, part) for part in n.split(".")) for n in names} == theirs
     assert not any("embed_tokens" in n or "lm_head" in n or "d2t" in n for n in names)
+
+
+def test_contracts_hold_on_the_exported_folder(trained) -> None:
+    """CONTRACT TEST (engines not run here): the folder `dfpipe export` wrote (the one every test above
+    loads) passes both engines' contract checks, and its card states every key they read, with its value."""
+    from services.export.serving import engine_keys
+
+    folder = trained["dir"]
+    cfg = json.loads((folder / "config.json").read_text())
+    check_sglang_contract(cfg)
+    check_vllm_contract(folder)
+    card = (folder / "README.md").read_text()
+    for key, value, _ in engine_keys(cfg):
+        assert f"| `{key}` | " + (f"`{json.dumps(value)}`" if value is not None else "(absent)") in card, key
+    sums = dict(reversed(line.split("  ", 1)) for line in (folder / "SHA256SUMS").read_text().splitlines())
+    assert {"config.json", "model.safetensors", "tokenizer.json", "README.md"} <= set(sums)
+
+
+def test_export_after_the_eval_names_the_eval_the_target_and_the_serving_commands(trained, stack, monkeypatch,
+                                                                                  capsys, tmp_path: Path) -> None:
+    """Exported once the eval has measured the checkpoint: the card carries that eval (τ, histogram, speedup,
+    machine), the target's recorded identity (its weights' hash, as `shared.model.target_identity` computes
+    it), and the serving commands with the block size; the tokenizer loads from the folder."""
+    from transformers import AutoTokenizer
+
+    from shared.model import load_tokenizer, target_identity
+    from tests.test_export import _cli
+
+    run, store = trained["run"], trained["store"]
+    report = msgspec.json.decode(store.get_bytes(Keys.eval_report(run)), type=EvalReport)
+    out = tmp_path / "served"
+    code, stdout, err = _cli(stack, monkeypatch, capsys, "export", "--run", run, str(out))
+    assert code == 0, err
+    assert f"τ {report.tau:.3f} on {report.prompts} held-out prompts" in stdout
+    card = (out / "README.md").read_text()
+    assert f"= {report.tau:.3f} on {report.prompts} held-out prompts" in card
+    assert str(report.acceptance_histogram) in card and report.machine and report.machine in card
+    assert target_identity("smollm2")["weights_sha256"] in card
+    assert f"--speculative-dflash-block-size {BLOCK}" in card and f'"num_speculative_tokens": {BLOCK - 1}' in card
+    assert f"--speculative-draft-model-path {out}" in card and "SGLang 0.5.11" in card
+    assert AutoTokenizer.from_pretrained(out).encode("Hello, world") == load_tokenizer("smollm2").encode("Hello, world")

@@ -379,6 +379,12 @@ def print_artifacts(cfg: Config, store: Store, report: dict | None, st: RunStatu
               f"{report.get('speedup', 0):.2f}x, lossless={report.get('lossless')}")
         if on_cpu:  # the numbers of a CPU run need reading; a GPU run's speak for themselves
             print(EXPECTED_ON_A_SMALL_CPU)
+    print("next (docs/export.md):")
+    if report:
+        print(f"  dfpipe export --run {run} ./{run}-drafter      # the evaluated drafter: config, weights, tokenizer, "
+              "model card with the SGLang/vLLM commands")
+    print(f"  dfpipe export-data --run {run} --format parquet,sharegpt ./{run}-data      # the regenerated "
+          "completions as a dataset")
 
 
 # What the first eval a newcomer sees means (the demo: a 135M target on a 2-core CPU, a short training), from

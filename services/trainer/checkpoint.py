@@ -77,3 +77,20 @@ def load_latest_checkpoint(store: Store, run: str, drafter: DFlashDrafter, arch:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return prefix, state
+
+
+def record_target(store: Store, run: str, target: str) -> None:
+    """Write the identity of the target this run trains against (`Keys.target`), once: `dfpipe export`'s card
+    names it. A later start under other weights is logged, not hidden: the record keeps the first one."""
+    from shared.model import target_identity
+
+    identity = target_identity(target)
+    key = Keys.target(run)
+    if store.exists(key):
+        first = json.loads(store.get_bytes(key))
+        if first.get("weights_sha256") != identity["weights_sha256"]:
+            log.warning("run %s: target %s (weights %s) is not the one the run first trained against (%s, %s)",
+                        run, target, identity["weights_sha256"][:12], first.get("target"),
+                        str(first.get("weights_sha256"))[:12])
+        return
+    store.put_bytes(key, json.dumps(identity, indent=2, sort_keys=True).encode(), "application/json")

@@ -123,13 +123,25 @@ class ShardFeed:
                 await self._task
 
 
-async def shard_keys(bus: Bus, run: str) -> list[str]:
-    """The newest fingerprint's shard keys, read from the whole log (for `dfpipe eval` and readers)."""
+async def _announced(bus: Bus, run: str) -> dict[str, tuple[str, int]]:
+    """{tokenized shard key: (fingerprint, stream seq of its first announcement)}, from the whole log."""
     shards: dict[str, tuple[str, int]] = {}
     async for seq, e in bus.read_log(Streams.TOKENIZED, Subjects.tokenized(run), 1, TokenizedShard):
         if e.num_samples > 0:
             shards.setdefault(e.key, (e.fingerprint, seq))  # a key's first announcement
-    return newest_keys(shards)
+    return shards
+
+
+async def shard_keys(bus: Bus, run: str) -> list[str]:
+    """The newest fingerprint's shard keys, read from the whole log (for `dfpipe eval` and readers)."""
+    return newest_keys(await _announced(bus, run))
+
+
+async def shard_keys_in_log_order(bus: Bus, run: str) -> list[str]:
+    """The newest fingerprint's shard keys in the order the log first announced them: an order that only
+    grows at its end while a run goes on (sorted keys do not: `w0-00000009` sorts before `w1-00000000`)."""
+    shards = await _announced(bus, run)
+    return sorted(newest_keys(shards), key=lambda k: shards[k][1])
 
 
 def prompt_part(sample: TokenizedSample) -> list[int]:
@@ -139,13 +151,44 @@ def prompt_part(sample: TokenizedSample) -> list[int]:
 
 
 async def held_out_prompts(cfg: Config, store: Store, bus: Bus, limit: int | None = None) -> list[list[int]]:
-    """The prompts `dfpipe eval` decodes: the first `limit` (default `trainer.eval_prompts`) held-out samples'
-    prompt parts, in shard order, so that any other decoder (the reference's loop in the quality bench)
-    is given exactly the same ones."""
-    keys = await shard_keys(bus, cfg.run)
-    held = await asyncio.to_thread(load_samples, store, keys, holdout_mod=cfg.trainer.holdout_mod, train=False,
-                                   cache=ShardCache.for_config(cfg))
-    return [prompt_part(held[i]) for i in range(min(len(held), limit or cfg.trainer.eval_prompts))]
+    """The prompts `dfpipe eval` decodes: the prompt parts of the first `limit` (default `trainer.eval_prompts`)
+    held-out samples, shards taken in the order the log announced them and rows in shard order, one per
+    prompt_id; any other decoder (the reference's loop in the quality bench) is given exactly the same ones.
+
+    Shards are read only until that many are found: at the mission's size (tens of thousands of shards) an
+    eval on a fresh machine fetches a handful of shards, not the whole tokenized dataset. (Until Dec 2026 the
+    pick was the `limit` smallest held-out prompt_ids over every shard, which read them all.) A prompt's
+    regenerations share its prompt part, so which generation a row is does not change the pick."""
+    keys = await shard_keys_in_log_order(bus, cfg.run)
+    return await asyncio.to_thread(pick_held_out, store, keys, holdout_mod=cfg.trainer.holdout_mod,
+                                   want=limit or cfg.trainer.eval_prompts, cache=ShardCache.for_config(cfg))
+
+
+def pick_held_out(store: Store, keys: list[str], *, holdout_mod: int, want: int,
+                  cache: ShardCache | None = None) -> list[list[int]]:
+    """The first `want` held-out prompt parts (at least 2 supervised tokens, one per prompt_id) of `keys` taken
+    in order, fetching a shard only while fewer have been found."""
+    if holdout_mod <= 0 or want <= 0:
+        return []
+    cache = cache or ShardCache.temporary()
+    out: list[list[int]] = []
+    seen: set[bytes] = set()
+    for key in keys:
+        meta = cache.meta(store, key)
+        rows = np.flatnonzero((meta["holdout_hash"] % holdout_mod == 0) & (meta["num_supervised"] >= 2))
+        if not len(rows):
+            continue
+        held = SampleSet(cache, [key], meta[rows], np.zeros(len(rows), dtype=np.int32),
+                         np.array([int(meta["num_tokens"].sum())], dtype=np.int64))
+        for i, row in enumerate(rows):
+            pid = bytes(meta["prompt_id"][row])
+            if pid in seen:
+                continue
+            seen.add(pid)
+            out.append(prompt_part(held[i]))
+            if len(out) == want:
+                return out
+    return out
 
 
 def _holdout_hash(prompt_id: str) -> int:

@@ -36,6 +36,7 @@ import torch
 from shared.bus import Bus
 from shared.config import Config
 from shared.exits import Exit
+from shared.machine import describe_machine
 from shared.messages import EvalReport
 from shared.runconfig import read_run_config
 from shared.store import Store
@@ -257,7 +258,8 @@ def evaluate(target: Target, drafter: DFlashDrafter, prompts: list[list[int]], m
                       acceptance_histogram=hist, speedup=speedup,
                       lossless=mismatches == 0 if sampling.greedy else None, mismatches=mismatches,
                       temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, seeds=len(taus),
-                      tau_per_seed=taus, tau_std=spread, max_new_tokens=max_new)
+                      tau_per_seed=taus, tau_std=spread, max_new_tokens=max_new,
+                      machine=describe_machine(str(next(drafter.parameters()).device.type)))
 
 
 # --- a run's eval: `dfpipe eval` ------------------------------------------------------------------

@@ -30,7 +30,7 @@ from shared.topology import Keys, Subjects, lease_key
 
 from .blocks import estimated_tau
 from .build import autocast_dtype, build, draft_vocab_ids
-from .checkpoint import load_latest_checkpoint, save_checkpoint
+from .checkpoint import load_latest_checkpoint, record_target, save_checkpoint
 from .data import SampleIndex, SampleSet, ShardCache, ShardFeed, epoch_order, load_samples
 from .dist import Dist
 from .pace import Pace
@@ -72,6 +72,8 @@ class Trainer:
         self.ledger = RunLedger(cfg, bus, store)  # rank 0's view of the run: each check folds only what is new
         # every shard indexed so far (per-sample numbers; tokens in the node's disk cache): only new shards are fetched
         self.index = SampleIndex(store, ShardCache.for_config(cfg))
+        if self.dist.main:
+            record_target(store, self.run, cfg.model.target)  # the target an exported drafter's card names
         self._lengths_of: tuple[np.ndarray | None, np.ndarray] = (None, np.zeros(0, dtype=np.int64))
 
     # --- data --------------------------------------------------------------------------------
