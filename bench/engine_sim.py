@@ -176,6 +176,8 @@ class SimStats:
     restarts: int
     faults_injected: dict[str, int] = field(default_factory=dict)
     steady: dict[str, float] = field(default_factory=dict)
+    first_arrival_s: float = 0.0  # simulated time of the first request's arrival
+    last_finish_s: float = 0.0  # and of the last finish: the run's span in simulated time
 
 
 class BatchEngine:
@@ -201,6 +203,7 @@ class BatchEngine:
         self.peak = 0
         self.aborted = self.retracted = self.for_nobody = self.restarts = 0
         self.gen_window: collections.deque[tuple[float, int]] = collections.deque()  # (sim t, tokens) ~ last 5 s
+        self.first_arrival: float | None = None
 
     # requests ------------------------------------------------------------------------------------------------------
 
@@ -297,6 +300,8 @@ class BatchEngine:
                 idle_from = loop.time()
                 await self.wake.wait()
                 self.sim_t += (loop.time() - idle_from) * self.compression  # idle time counts
+                if self.first_arrival is None:
+                    self.first_arrival = self.sim_t
                 self._log()
                 anchor_real, anchor_sim = loop.time(), self.sim_t
             prefill = self._admit()
@@ -400,6 +405,7 @@ class BatchEngine:
             max_running_requests=self.p.max_running_requests,
             tokens_per_s=self.tokens / self.sim_t if self.sim_t else 0.0, restarts=self.restarts,
             faults_injected=dict(faults), steady=self.steady(skip, since),
+            first_arrival_s=self.first_arrival or 0.0, last_finish_s=max(self.finish_t, default=0.0),
         )
 
 
@@ -927,6 +933,13 @@ def model_peak(profile: Profile | str, concurrencies: list[int], *, requests: in
                max_new_tokens: int | None = None, seed: int = 0) -> dict[int, dict[str, float]]:
     """The engine alone (no HTTP, no client, as fast as this CPU runs it): steady-state tokens/s and mean running
     at each fixed concurrency — what a perfect client would get. Deterministic for a seed."""
+    with contextlib.suppress(RuntimeError):  # called from a running loop: compute on a thread of its own
+        asyncio.get_running_loop()
+        import concurrent.futures
+
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            return pool.submit(model_peak, profile, concurrencies, requests=requests, prompt_len=prompt_len,
+                               max_new_tokens=max_new_tokens, seed=seed).result()
     p = profile_named(profile)
     max_new = max_new_tokens or p.max_new_tokens
 

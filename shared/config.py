@@ -88,6 +88,7 @@ class GeneratorConfig(Section):
     max_inflight: int = 0
     # The safe fixed level while the engine reports nothing yet (or never does): today's former default.
     fallback_inflight: int = 16
+    adaptive: bool = True  # False: exactly max_inflight (or fallback_inflight) in flight, as before (benches)
     engine_poll_s: float = 0.5  # how often the engine's load is read (a slot freed is refilled within this)
     engine_ready_s: float = 0.0  # how long to wait for the engine's health check; 0: 1800 s launched, 120 s not
     batch_size: int = 8  # hf backend: prompts per generate() call

@@ -79,7 +79,7 @@ def fill_controller(cfg: Config, backend: Backend) -> FillController:
     """Adaptive for an engine server (it reports its load or answers faster when fuller); fixed for the
     in-process backends, whose batching is their own (hf: batch_size)."""
     g = cfg.generator
-    adaptive = hasattr(backend, "engine_load")
+    adaptive = g.adaptive and hasattr(backend, "engine_load")
     if not adaptive:
         return FillController(upper=g.max_inflight or g.fallback_inflight, fallback=g.fallback_inflight, fixed=True)
     return FillController(upper=level_bound(cfg), fallback=g.fallback_inflight)
