@@ -425,8 +425,9 @@ class Bus:
         try:
             while not stop.is_set() and not stats.halted:
                 free = (max_inflight() if callable(max_inflight) else max_inflight) - len(tasks)
-                if free <= 0:
-                    await asyncio.wait([*tasks, stop_wait], return_when=asyncio.FIRST_COMPLETED)
+                if free <= 0:  # a moving limit is looked at again every quarter second
+                    await asyncio.wait([*tasks, stop_wait], return_when=asyncio.FIRST_COMPLETED,
+                                       timeout=0.25 if callable(max_inflight) else None)
                     continue
                 try:
                     msgs = await retry_async(f"fetch from {spec.durable}", partial(_fetch, sub, min(free, fetch_batch)),

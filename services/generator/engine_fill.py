@@ -78,6 +78,7 @@ class FillController:
         self.level = self.upper if fixed else self.fallback
         self.max_running: int | None = None
         self.mode = "fixed" if fixed else "fallback"  # fixed | fallback | limit | queue | throughput
+        self.seen_queue = False  # the engine has queued requests at least once (the slow start is over)
         # throughput mode
         self.best_rate = 0.0
         self.best_level = self.level
@@ -105,9 +106,14 @@ class FillController:
         self.mode = "queue"
         want = self.want_queue(load.running)
         if load.queued < want:
-            if in_flight >= self.level - 1:  # our own level binds: the engine could take more
-                self.level = min(self.upper, self.level + max(2, math.ceil(self.level / 4)))
-        elif load.queued > 3 * want:  # the engine's own cap binds: what runs plus the queue is enough
+            # our own level binds (within the few requests between a completion and the next send): double
+            # until the engine has first queued some (a slow start), a quarter more after that
+            if in_flight >= self.level - max(2, self.level // 8):
+                step = self.level if not self.seen_queue else max(2, math.ceil(self.level / 4))
+                self.level = min(self.upper, self.level + step)
+            return
+        self.seen_queue = True
+        if load.queued > 3 * want:  # the engine's own cap binds: what runs plus the queue is enough
             self.level = max(1, min(self.level, load.running + want))
 
     def on_window(self, tokens_per_s: float) -> None:
