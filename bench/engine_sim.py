@@ -176,6 +176,8 @@ class SimStats:
     restarts: int
     faults_injected: dict[str, int] = field(default_factory=dict)
     steady: dict[str, float] = field(default_factory=dict)
+    first_arrival_s: float = 0.0  # simulated time of the first request's arrival
+    last_finish_s: float = 0.0  # and of the last finish: the run's span in simulated time
 
 
 class BatchEngine:
@@ -201,6 +203,7 @@ class BatchEngine:
         self.peak = 0
         self.aborted = self.retracted = self.for_nobody = self.restarts = 0
         self.gen_window: collections.deque[tuple[float, int]] = collections.deque()  # (sim t, tokens) ~ last 5 s
+        self.first_arrival: float | None = None
 
     # requests ------------------------------------------------------------------------------------------------------
 
@@ -219,8 +222,9 @@ class BatchEngine:
         self.wake.set()
 
     def abort(self, rid: str | None) -> int:
-        """Abort one request (or all, rid None): it answers at once with finish_reason abort."""
-        targets = list(self.by_rid.values()) if rid is None else [r for r in (self.by_rid.get(rid),) if r]
+        """Abort the requests whose rid starts with `rid` (all: None); they answer at once with finish_reason abort."""
+        # by prefix, as SGLang's scheduler matches (`req.rid.startswith(recv_req.rid)`)
+        targets = [r for k, r in self.by_rid.items() if rid is None or k.startswith(rid)]
         for r in targets:
             r.aborted = True
             self._remove(r)
@@ -296,6 +300,8 @@ class BatchEngine:
                 idle_from = loop.time()
                 await self.wake.wait()
                 self.sim_t += (loop.time() - idle_from) * self.compression  # idle time counts
+                if self.first_arrival is None:
+                    self.first_arrival = self.sim_t
                 self._log()
                 anchor_real, anchor_sim = loop.time(), self.sim_t
             prefill = self._admit()
@@ -399,6 +405,7 @@ class BatchEngine:
             max_running_requests=self.p.max_running_requests,
             tokens_per_s=self.tokens / self.sim_t if self.sim_t else 0.0, restarts=self.restarts,
             faults_injected=dict(faults), steady=self.steady(skip, since),
+            first_arrival_s=self.first_arrival or 0.0, last_finish_s=max(self.finish_t, default=0.0),
         )
 
 
@@ -529,7 +536,7 @@ class SimServer:
             return self._server_info()
         if path == "/v1/loads" and sglang:
             return 200, json.dumps(self._loads()).encode(), j
-        if path == "/metrics" and (self.enable_metrics or not sglang):
+        if path == "/metrics" and (self.enable_metrics if sglang else self.flavor == "vllm"):
             if self.faults.metrics_delay_s:
                 await asyncio.sleep(self.faults.metrics_delay_s)
             return 200, self._metrics().encode(), "text/plain; version=0.0.4"
@@ -537,8 +544,8 @@ class SimServer:
             data = self._json(body)
             rid = data.get("rid")
             n = self.engine.abort(None if data.get("abort_all") else rid) if self.engine else 0
-            for key in ([rid] if not data.get("abort_all") else list(self.hung)):
-                if key in self.hung and not self.hung[key].done():
+            for key in [k for k in self.hung if data.get("abort_all") or (rid and k.startswith(rid))]:
+                if not self.hung[key].done():
                     self.hung[key].set_result(None)
                     n += 1
             return 200, json.dumps({"aborted": n}).encode(), j
@@ -922,6 +929,42 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def model_peak(profile: Profile | str, concurrencies: list[int], *, requests: int = 400, prompt_len: int = 60,
+               max_new_tokens: int | None = None, seed: int = 0) -> dict[int, dict[str, float]]:
+    """The engine alone (no HTTP, no client, as fast as this CPU runs it): steady-state tokens/s and mean running
+    at each fixed concurrency — what a perfect client would get. Deterministic for a seed."""
+    with contextlib.suppress(RuntimeError):  # called from a running loop: compute on a thread of its own
+        asyncio.get_running_loop()
+        import concurrent.futures
+
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            return pool.submit(model_peak, profile, concurrencies, requests=requests, prompt_len=prompt_len,
+                               max_new_tokens=max_new_tokens, seed=seed).result()
+    p = profile_named(profile)
+    max_new = max_new_tokens or p.max_new_tokens
+
+    async def one_level(conc: int) -> dict[str, float]:
+        engine = BatchEngine(p, compression=1e9, seed=seed)
+        task = asyncio.create_task(engine.run())
+        loop = asyncio.get_running_loop()
+        sem = asyncio.Semaphore(conc)
+
+        async def one(i: int) -> None:
+            async with sem:
+                fut = loop.create_future()
+                target, truncated = engine.length_for(f"p{i}".encode(), max_new)
+                engine.submit(Req(f"r{i}", prompt_len, target, truncated, fut))
+                await fut
+
+        await asyncio.gather(*(one(i) for i in range(requests)))
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return engine.steady()
+
+    return {c: asyncio.run(one_level(c)) for c in concurrencies}
+
+
 def steady_state(stats: SimStats, profile: Profile | str | None = None) -> dict[str, float]:
     """The stats' steady-state window with its fill (mean running ÷ max_running_requests)."""
     s = dict(stats.steady)
@@ -940,7 +983,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=30000)
     ap.add_argument("--compression", type=float, default=None, help="simulated seconds per real second")
     ap.add_argument("--enable-metrics", action="store_true", help="serve /metrics (SGLang's flag)")
-    ap.add_argument("--flavor", choices=["sglang", "vllm"], default="sglang")
+    ap.add_argument("--flavor", choices=["sglang", "vllm", "openai"], default="sglang",
+                    help="vllm: /metrics always, no SGLang endpoints; openai: OpenAI endpoints only, no /metrics")
     ap.add_argument("--max-running-requests", type=int, default=None,
                     help="as if launched with it: /get_server_info shows it (the profile's limit applies either way)")
     ap.add_argument("--ids-cap", type=int, default=None, help="return at most this many output ids per answer")

@@ -583,7 +583,7 @@ class Bus:
         run: str,
         stop: asyncio.Event,
         message_type: Any,
-        max_inflight: int = 16,
+        max_inflight: int | Callable[[], int] = 16,
         fetch_batch: int = 64,
         grace_s: float = 30.0,
         stats: WorkStats | None = None,
@@ -606,9 +606,10 @@ class Bus:
         stop_wait = asyncio.create_task(stop.wait())
         try:
             while not stop.is_set() and not stats.halted:
-                free = max_inflight - len(tasks)
-                if free <= 0:
-                    await asyncio.wait([*tasks, stop_wait], return_when=asyncio.FIRST_COMPLETED)
+                free = (max_inflight() if callable(max_inflight) else max_inflight) - len(tasks)
+                if free <= 0:  # a moving limit is looked at again every quarter second
+                    await asyncio.wait([*tasks, stop_wait], return_when=asyncio.FIRST_COMPLETED,
+                                       timeout=0.25 if callable(max_inflight) else None)
                     continue
                 try:
                     msgs = await retry_async(f"fetch from {spec.durable}", partial(_fetch, sub, min(free, fetch_batch)),

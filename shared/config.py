@@ -91,22 +91,33 @@ class FeederConfig(Section):
 
 class GeneratorConfig(Section):
     # hf (the embedded default) | sglang | openai | synthetic (a load generator, benchmarks/tests only): the kinds
-    # are registered in services/generator/backends/__init__.py, which checks this key (shared names no service)
+    # are registered in pyproject.toml (`dfpipe.backends`, shared/plugins.py), which load_config checks
     backend: str = "hf"
-    max_inflight: int = 16  # requests kept in flight so the engine never idles
+    # An upper bound on the requests one generator keeps in flight; 0: none set — the level follows the engine
+    # (services/generator/engine_fill.py: its max_running_requests and running/queued counts, or measured
+    # throughput) up to 1024 (memory stays ~200 MB); the in-process hf/synthetic backends then use fallback_inflight.
+    max_inflight: int = 0
+    # The safe fixed level while the engine reports nothing yet (or never does): today's former default.
+    fallback_inflight: int = 16
+    adaptive: bool = True  # False: exactly max_inflight (or fallback_inflight) in flight, as before (benches)
+    engine_poll_s: float = 0.5  # how often the engine's load is read (a slot freed is refilled within this)
+    engine_ready_s: float = 0.0  # how long to wait for the engine's health check; 0: 1800 s launched, 120 s not
     batch_size: int = 8  # hf backend: prompts per generate() call
     shard_records: int = 256
     shard_seconds: float = 60.0
     shard_idle_s: float = 1.0  # a shard is also written once the engine has been idle this long (the queue ran dry)
     ack_wait_s: float = 60.0
     max_deliver: int = 5
-    # A cap on the run's unacked prompts, shared by all its workers (0: none; each worker holds at most
-    # max_inflight + shard_records). Below workers x that, no worker fills a shard.
+    # A cap on the run's unacked prompts, shared by all its workers (0: none; each worker holds at most its
+    # level + shard_records). Below workers x that, no worker fills a shard; when set, a worker's level stays
+    # below it less a shard (engine_fill.auto_upper).
     max_ack_pending: int = 0
     engine_url: str = ""  # sglang/openai backends
     engine_model: str = ""  # model name sent to an openai-compatible server
     openai_endpoint: Literal["chat", "completions"] = "chat"
-    request_timeout_s: float = 600.0
+    # 0: automatic — the longest completion that can wait in a full engine's queue (engine_fill.RequestTimeout:
+    # 3 x max_new_tokens x the measured per-token time, at least 120 s; 1800 s until measured)
+    request_timeout_s: float = 0.0
     launch: bool = False  # sglang: start `python -m sglang.launch_server` for this GPU
     launch_args: list[str] = []  # passed through, e.g. speculative flags
     max_context_tokens: int = 0  # prompt + max_new_tokens limit; 0: the model's own (hf backend)

@@ -49,7 +49,7 @@ class Consumer:
     run: str
     handle: Callable[[Delivery], Awaitable[None]]
     message_type: Any
-    max_inflight: int = 16
+    max_inflight: int | Callable[[], int] = 16  # a callable: read before each fetch (a level that moves)
     grace_s: float = 30.0  # on stop, in-flight handlers get this long before they are cancelled and nak'ed
     stats: WorkStats = field(default_factory=WorkStats)
 

@@ -112,9 +112,9 @@ def test_calibrate_finds_the_simulated_engines_knee_and_plan_states_the_jobs_eta
     assert days == pytest.approx(arithmetic, rel=0.10), (days, arithmetic, describe(stored))
     assert "offline hidden states" in plan.stdout and "1 engine(s)" in plan.stdout
     # a generator of this run, on this engine, starts at the measured level
-    assert starting_config(cfg).generator.max_inflight == e.best_concurrency
+    assert starting_config(cfg).generator.fallback_inflight == e.best_concurrency
     other = make_config(stack, run, generator={"backend": "sglang", "engine_url": "http://127.0.0.1:1"})
-    assert starting_config(other).generator.max_inflight == other.generator.max_inflight  # not measured: as set
+    assert starting_config(other).generator.fallback_inflight == other.generator.fallback_inflight  # not measured: as set
 
 
 @pytest.mark.stack

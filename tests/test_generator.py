@@ -350,9 +350,9 @@ async def test_every_worker_of_a_run_can_hold_a_full_shard_of_prompts_at_once(st
     from shared.bus import WorkStats
     from shared.messages import ChatMessage, PromptTask
 
-    cfg = make_config(stack)
+    cfg = make_config(stack, generator={"max_inflight": 16})  # a bound set by hand; one shard filling, one written
     spec, per_worker = prompt_consumer(cfg)
-    assert per_worker == cfg.generator.max_inflight + cfg.generator.shard_records == 272
+    assert per_worker == cfg.generator.max_inflight + 2 * cfg.generator.shard_records == 528
     n = 2 * per_worker
     await bus.publish_many([(Subjects.prompts(cfg.run), PromptTask(
         run=cfg.run, prompt_id=f"p{i}", messages=[ChatMessage(role="user", content=f"q{i}")]), f"{cfg.run}:p{i}")

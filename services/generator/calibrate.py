@@ -313,7 +313,7 @@ async def calibrate_configured(cfg: Config, prompts: list[list[ChatMessage]], sw
 
 
 def starting_config(cfg: Config) -> Config:
-    """The generator's config with the concurrency the run's calibration measured for its engine (its best level),
+    """The generator's config starting at the concurrency the run's calibration measured for its engine (its best level),
     when `calibrate.start_generators` and a calibration names this engine; else `cfg` as it is. (Blocking: S3.)"""
     from shared.calibration import load_calibration
     from shared.store import Store, StoreError
@@ -324,8 +324,8 @@ def starting_config(cfg: Config) -> Config:
     try:
         calibration = load_calibration(Store.open(cfg), cfg.run)
     except (StoreError, ValueError) as e:
-        log.warning("run %s: the calibration could not be read (%s); starting at max_inflight %d", cfg.run, e,
-                    g.max_inflight)
+        log.warning("run %s: the calibration could not be read (%s); starting at fallback_inflight %d", cfg.run, e,
+                    g.fallback_inflight)
         return cfg
     url = g.engine_url or "http://127.0.0.1:30000"
     measured = calibration.engine(url) if calibration else None
@@ -333,4 +333,5 @@ def starting_config(cfg: Config) -> Config:
         return cfg
     log.info("engine %s: starting at the calibrated concurrency %d (dfpipe calibrate measured %.1f tokens/s there)",
              url, measured.best_concurrency, measured.peak_tokens_per_s)
-    return msgspec.structs.replace(cfg, generator=msgspec.structs.replace(g, max_inflight=measured.best_concurrency))
+    # the level it starts at (the adaptive fill moves on from there; max_inflight stays the user's upper bound)
+    return msgspec.structs.replace(cfg, generator=msgspec.structs.replace(g, fallback_inflight=measured.best_concurrency))

@@ -1,12 +1,14 @@
 """The generator: PromptTasks from the shared durable consumer → engine → shards in S3 → ack.
 
-Concurrency: `max_inflight` requests are in the engine at once (the engine's batching keeps the
-GPU busy); finished completions wait in the shard buffer for their shard to be written, holding
-their unacked message (heartbeats keep it), so the worker loop fetches up to
-`max_inflight + shard_records` messages. The consumer's own cap on unacked messages is shared by
-every worker of the run, so it is off unless `generator.max_ack_pending` sets one: with a cap below
-workers × (max_inflight + shard_records), no worker could fill a shard (each would flush on idle,
-its engine draining and waiting for acks every cycle).
+Concurrency: `level` requests are in the engine at once, a level the generator finds itself so the
+engine's batch stays full (engine_fill.py: from the engine's batch limit and running/queued counts, polled
+every `engine_poll_s`, or from measured throughput; `max_inflight` only bounds it). Finished completions
+wait in the shard buffer for their shard to be written, holding their unacked message (heartbeats every
+ack_wait/3 keep it, so nothing is redelivered while it is generated or buffered), so the worker loop
+fetches up to `level + shard_records` messages — it follows the level. The consumer's own cap on unacked
+messages is shared by every worker of the run, so it is off unless `generator.max_ack_pending` sets one
+(then the level stays below it less a shard). A request given up on (the request timeout, a drain's
+cancel) is aborted on the engine by the backend.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import collections
 import contextlib
 import logging
 import time
+from collections.abc import Callable
+from typing import Any
 
 from shared.bus import Bus, ConsumerSpec, Delivery, WorkStats, consumer_for
 from shared.config import Config, fingerprint
@@ -29,6 +33,7 @@ from shared.store import Store
 from shared.topology import Streams, Subjects
 
 from .backends import Backend, EngineError, GenRequest, PromptRefused, make_backend
+from .engine_fill import EngineLoad, FillController, RequestTimeout, ThroughputWindow, auto_upper
 from .shards import ShardWriter
 
 log = logging.getLogger("dflash.generator")
@@ -54,15 +59,56 @@ class Rates:
                 len(self.samples) / span)
 
 
-def prompt_consumer(cfg: Config) -> tuple[ConsumerSpec, int]:
-    """The run's shared consumer of PromptTasks, and how many of its messages one worker holds at once."""
+def level_bound(cfg: Config) -> int:
+    """The most requests one generator may keep in flight: max_inflight when set, else auto_upper."""
     g = cfg.generator
-    per_worker = g.max_inflight + g.shard_records
+    return g.max_inflight if g.max_inflight > 0 else auto_upper(g.max_ack_pending, g.shard_records)
+
+
+def prompt_consumer(cfg: Config) -> tuple[ConsumerSpec, int]:
+    """The run's shared consumer of PromptTasks, and the most of its messages one worker holds at once."""
+    g = cfg.generator
+    bound = level_bound(cfg)
+    per_worker = bound + 2 * g.shard_records  # one shard filling while the last is written
     if g.max_ack_pending > 0:
-        per_worker = max(g.max_inflight, min(g.max_ack_pending, per_worker))
+        per_worker = max(bound, min(g.max_ack_pending, per_worker))
     spec = consumer_for("generate", cfg.run, ack_wait_s=g.ack_wait_s, max_ack_pending=g.max_ack_pending or -1,
                         max_deliver=g.max_deliver)
     return spec, per_worker
+
+
+def fill_controller(cfg: Config, backend: Backend) -> FillController:
+    """Adaptive for an engine server (it reports its load or answers faster when fuller); fixed for the
+    in-process backends, whose batching is their own (hf: batch_size)."""
+    g = cfg.generator
+    adaptive = g.adaptive and hasattr(backend, "engine_load")
+    if not adaptive:
+        return FillController(upper=g.max_inflight or g.fallback_inflight, fallback=g.fallback_inflight, fixed=True)
+    return FillController(upper=level_bound(cfg), fallback=g.fallback_inflight)
+
+
+class EngineGate:
+    """At most `limit()` requests in the engine; the limit may move while requests wait."""
+
+    def __init__(self, limit: Callable[[], int]) -> None:
+        self.limit = limit
+        self.active = 0
+        self.changed = asyncio.Condition()
+
+    async def __aenter__(self) -> None:
+        async with self.changed:
+            await self.changed.wait_for(lambda: self.active < self.limit())
+            self.active += 1
+
+    async def __aexit__(self, *_: object) -> None:
+        async with self.changed:
+            self.active -= 1
+            self.changed.notify_all()
+
+    async def poke(self) -> None:
+        """The limit changed: let waiters look again."""
+        async with self.changed:
+            self.changed.notify_all()
 
 
 class Generator:
@@ -74,7 +120,16 @@ class Generator:
         self.shards = ShardWriter(bus, store, self.run, worker, max_records=min(g.shard_records, self.slots),
                                   max_age_s=g.shard_seconds, idle_for=self.engine_idle_for,
                                   idle_s=min(g.shard_idle_s, g.shard_seconds))
-        self.engine_slots = asyncio.Semaphore(g.max_inflight)
+        self.fill = fill_controller(cfg, backend)
+        self.engine_slots = EngineGate(lambda: self.fill.level)
+        self.load = EngineLoad()
+        self.window = ThroughputWindow()
+        self.timeout = RequestTimeout(cfg.sampling.max_new_tokens)
+        self.engine_url = getattr(backend, "url", "")
+        if hasattr(backend, "rid_prefix"):
+            backend.rid_prefix = f"{worker}/"
+        self._poller: asyncio.Task[None] | None = None
+        self.awaiting_shard = 0  # completions waiting for their shard to be written (their messages unacked)
         self.sampling_fp = fingerprint(cfg.sampling)
         self.stats = WorkStats()
         self.rates = Rates()
@@ -101,7 +156,38 @@ class Generator:
             completion_tokens_per_s=round(c_rate, 2), completions_per_s=round(n_rate, 3), in_flight=self.in_engine + self.shards.buffered,
             errors=self.engine_errors + self.shards.write_errors, shards=self.shards.shards_written,
             finish_reasons=dict(self.finish_reasons), spec_accept_length=accept, state=self.state,
+            engine=self.engine_url, engine_running=self.load.running, engine_queued=self.load.queued,
+            engine_max_running=self.fill.max_running, engine_tokens_per_s=self.load.tokens_per_s,
+            concurrency=self.fill.level,
         )
+
+    def request_timeout_s(self) -> float:
+        return self.cfg.generator.request_timeout_s or self.timeout.seconds
+
+    async def poll_engine(self) -> None:
+        """Every engine_poll_s: the engine's load → the level (or, with no load reported, throughput windows)."""
+        backend: Any = self.backend
+        with contextlib.suppress(Exception):
+            if (limit := await backend.engine_limit()) is not None:
+                self.fill.on_limit(limit)
+                log.info("engine at %s: batch limit %d; starting at %d in flight", self.engine_url, limit,
+                         self.fill.level)
+        while True:
+            await asyncio.sleep(self.cfg.generator.engine_poll_s)
+            try:
+                load = await backend.engine_load()
+            except Exception as e:  # a backend bug must not stop generation: the level stays where it is
+                log.warning("engine at %s: reading its load failed: %s: %s", self.engine_url, type(e).__name__, e)
+                load = None
+            before = self.fill.level
+            if load is not None:
+                self.load = load
+                self.fill.on_load(load, self.engine_slots.active)
+            elif (rate := self.window.close()) is not None:
+                self.fill.on_window(rate)
+            if self.fill.level != before:
+                log.debug("level %d -> %d (%s)", before, self.fill.level, self.fill.mode)
+                await self.engine_slots.poke()
 
     async def handle(self, d: Delivery) -> None:
         task: PromptTask = d.data
@@ -112,7 +198,7 @@ class Generator:
             self.in_engine += 1
             t0 = time.monotonic()
             try:
-                result = await asyncio.wait_for(self.backend.generate(req), self.cfg.generator.request_timeout_s)
+                result = await asyncio.wait_for(self.backend.generate(req), self.request_timeout_s())
             except PromptRefused as e:
                 raise Poison(str(e)) from None
             except (EngineError, TimeoutError) as e:
@@ -126,6 +212,8 @@ class Generator:
                 if self.in_engine == 0:
                     self.engine_free_since = time.monotonic()
         latency = time.monotonic() - t0
+        self.window.add(result.completion_tokens, latency)
+        self.timeout.add(latency, result.completion_tokens)
         record = CompletionRecord(
             run=self.run, prompt_id=task.prompt_id, messages=task.messages, completion=result.text,
             reasoning=result.reasoning, output_ids=result.output_ids, prompt_tokens=result.prompt_tokens,
@@ -141,7 +229,11 @@ class Generator:
         self.finish_reasons[result.finish_reason] += 1
         if result.spec_accept_length is not None:
             self.accept_lengths.append(result.spec_accept_length)
-        await self.shards.add(record)
+        self.awaiting_shard += 1
+        try:
+            await self.shards.add(record)
+        finally:
+            self.awaiting_shard -= 1
 
     async def resume_counters(self, subject: str) -> None:
         """A restarted worker goes on counting where its earlier processes stopped, so totals summed
@@ -169,11 +261,15 @@ class Generator:
         await self.shards.start()
         await self.resume_counters(self.progress_subject)
         self._flusher = asyncio.create_task(self._flush_when_stopping(stop))
+        if not self.fill.fixed:
+            self._poller = asyncio.create_task(self.poll_engine())
 
     def consumer(self) -> Consumer:
         g = self.cfg.generator
-        return Consumer(self.spec, self.run, self.handle, PromptTask, max_inflight=self.slots, grace_s=g.drain_s,
-                        stats=self.stats)
+        # messages held = those for the engine (the level) + those whose completion waits for its shard's
+        # write (one shard filling, one being written): a shard write must not starve the engine
+        return Consumer(self.spec, self.run, self.handle, PromptTask, grace_s=g.drain_s, stats=self.stats,
+                        max_inflight=lambda: min(self.slots, self.fill.level + self.awaiting_shard))
 
     def published_progress(self) -> Progress:
         return Progress(self.progress_subject, self.progress, self.cfg.generator.progress_every_s)
@@ -182,6 +278,8 @@ class Generator:
         """The consumer has stopped: write what is buffered (the last progress snapshot counts it)."""
         if self._flusher is not None:
             self._flusher.cancel()
+        if self._poller is not None:
+            self._poller.cancel()
         self.state = "stopped"
         await self.shards.close(timeout_s=self.cfg.generator.drain_s)
 

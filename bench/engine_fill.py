@@ -1,0 +1,134 @@
+"""How full the generator keeps a batching engine by itself, per simulator profile.
+
+For each profile (bench/engine_sim.py): the engine's peak tokens/s at its best fixed concurrency with a perfect
+client (the engine alone, no HTTP: `model_peak`, an upper bound no client beats), then one `dfpipe generate`
+(sglang backend, in-process) against the simulator as a subprocess with no hand-set concurrency, and one with
+today's former default (a fixed 16 in flight). Both measured in the engine's simulated time over the steady
+state (without the first and last 5% of the requests). Prompts are this repo's short ones (~35 tokens with the
+SmolLM2 template); the peak is computed for the same mean prompt length.
+
+    python bench/engine_fill.py [--profiles test-batch,test-kv,h100-27b-fp8,rtxpro6000-27b] [--prompts N]
+
+Writes bench/results/engine_fill.json. Timings are taken on a shared 2-core machine: the compression per
+profile (simulated seconds per real second) is set so the generator needs ~8-15 completions/s at the peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import bench_config, bench_stack, table, write_result
+from bench.engine_sim import PROFILES, EngineSimProcess, model_peak
+
+# profile: (compression for this machine, prompts, max_new_tokens)
+RUNS = {
+    "test-batch": (0.5, 300, 160),
+    "test-kv": (0.5, 300, 160),
+    "h100-27b-fp8": (8.0, 320, 4096),
+    "rtxpro6000-27b": (24.0, 300, 4096),
+    "h100-27b-bf16": (24.0, 250, 4096),
+    "h100-8b": (4.0, 600, 4096),
+}
+
+
+async def one_run(stack, name: str, profile: str, compression: float, n: int, max_new: int, generator: dict) -> dict:
+    from services.feeder.feed import Feeder
+    from services.generator.service import run_generator
+    from shared.bus import Bus
+    from shared.messages import GeneratorProgress, ShardWritten
+    from shared.records import read_completions
+    from shared.store import Store
+    from shared.topology import Subjects
+
+    with EngineSimProcess(profile, compression=compression, enable_metrics=True) as sim:
+        cfg = bench_config(stack, name, generator={
+            "backend": "sglang", "engine_url": sim.url, "shard_records": 64, "shard_seconds": 5.0,
+            "engine_poll_s": 0.25, "progress_every_s": 1.0, **generator},
+            sampling={"max_new_tokens": max_new, "temperature": 0.7})
+        async with await Bus.connect(cfg.bus, "bench", deadline_s=30) as bus:
+            await bus.ensure_streams()
+            store = Store.open(cfg)
+            with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
+                f.write("".join(json.dumps({"prompt": f"Explain idea {i} of run {name} in detail."}) + "\n"
+                                for i in range(n)))
+            await Feeder(cfg, bus, store).feed([f.name])
+            stop = asyncio.Event()
+            t0 = time.monotonic()
+            worker = asyncio.create_task(run_generator(cfg, "w0", stop=stop))
+            done = 0
+            while done < n:
+                await asyncio.sleep(1.0)
+                done = sum([len(e.prompt_ids) async for _, e in bus.replay("SHARDS", Subjects.shards(name), 1,
+                                                                               ShardWritten)])
+                if worker.done():
+                    worker.result()
+            wall = time.monotonic() - t0
+            stop.set()
+            await worker
+            events = [e async for _, e in bus.replay("SHARDS", Subjects.shards(name), 1, ShardWritten)]
+            records = [r for e in events for r in read_completions(store.get_bytes(e.key))]
+            levels = [p.concurrency async for _, p in bus.replay(
+                "PROGRESS", Subjects.progress(name, "generate", "w0"), 1, GeneratorProgress)]
+        stats = sim.stats()
+    unique = len({r.prompt_id for r in records})
+    return {"tokens_per_s": round(stats.steady["tokens_per_s"], 1), "mean_running": round(stats.steady["mean_running"], 1),
+            "completions": len(records), "unique": unique, "wall_s": round(wall, 1),
+            "sim_s": round(stats.sim_time_s, 1), "retracted": stats.requests_retracted,
+            "level_max": max(levels, default=0), "level_last": levels[-1] if levels else 0,
+            "mean_prompt_tokens": round(sum(r.prompt_tokens for r in records) / max(1, len(records)), 1),
+            "mean_completion_tokens": round(sum(r.completion_tokens for r in records) / max(1, len(records)), 1),
+            "truncated": sum(r.finish_reason == "length" for r in records)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--profiles", default="test-batch,test-kv,h100-27b-fp8,rtxpro6000-27b")
+    ap.add_argument("--prompts", type=int, default=0, help="override each profile's prompt count")
+    args = ap.parse_args()
+    results = {}
+    rows = [("profile", "peak tok/s (best fixed c)", "auto tok/s", "auto/peak", "fixed 16 tok/s", "16/peak",
+             "auto level max", "wall s")]
+    with bench_stack() as stack:
+        for i, profile in enumerate(args.profiles.split(",")):
+            compression, n, max_new = RUNS[profile]
+            n = args.prompts or n
+            auto = asyncio.run(one_run(stack, f"fill{i}a", profile, compression, n, max_new, {}))
+            fixed = asyncio.run(one_run(stack, f"fill{i}f", profile, compression, n, max_new,
+                                        {"adaptive": False, "max_inflight": 16}))
+            p = replace(PROFILES[profile])
+            sweep = model_peak(p, [8, 16, 32, 48, 64, 96, 128, 192, 256], requests=max(400, n),
+                               max_new_tokens=max_new, prompt_len=round(auto["mean_prompt_tokens"]))
+            best_c, best = max(sweep.items(), key=lambda kv: kv[1]["tokens_per_s"])
+            peak = best["tokens_per_s"]
+            results[profile] = {
+                "source": p.source, "compression": compression, "prompts": n, "max_new_tokens": max_new,
+                "peak_tokens_per_s": round(peak, 1), "best_fixed_concurrency": best_c,
+                "sweep": {c: round(v["tokens_per_s"], 1) for c, v in sweep.items()},
+                "auto": auto, "auto_over_peak": round(auto["tokens_per_s"] / peak, 3),
+                "fixed16": fixed, "fixed16_over_peak": round(fixed["tokens_per_s"] / peak, 3),
+                "exactly_once": auto["unique"] == auto["completions"] == n and fixed["unique"] == fixed["completions"] == n,
+            }
+            rows.append((profile, f"{peak:.0f} (c={best_c})", f"{auto['tokens_per_s']:.0f}",
+                         f"{auto['tokens_per_s'] / peak:.3f}", f"{fixed['tokens_per_s']:.0f}",
+                         f"{fixed['tokens_per_s'] / peak:.3f}", str(auto["level_max"]), str(auto["wall_s"])))
+            print(table(rows[:1] + rows[-1:]), flush=True)
+            path = write_result("engine_fill", {  # after each profile: a later one that fails keeps these
+                "note": "peak = the simulated engine alone at its best fixed concurrency (no HTTP, a perfect "
+                        "client); auto = one generator with no hand-set concurrency; fixed16 = the former default. "
+                        "Simulated time, steady state (first/last 5% of requests excluded). Shared 2-core machine.",
+                "target": 0.95, "profiles": results})
+    print(table(rows))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
