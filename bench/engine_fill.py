@@ -47,7 +47,7 @@ async def one_run(stack, name: str, profile: str, compression: float, n: int, ma
     from shared.messages import GeneratorProgress, ShardWritten
     from shared.records import read_completions
     from shared.store import Store
-    from shared.topology import Subjects
+    from shared.topology import Streams, Subjects
 
     with EngineSimProcess(profile, compression=compression, enable_metrics=True) as sim:
         cfg = bench_config(stack, name, generator={
@@ -67,17 +67,17 @@ async def one_run(stack, name: str, profile: str, compression: float, n: int, ma
             done = 0
             while done < n:
                 await asyncio.sleep(1.0)
-                done = sum([len(e.prompt_ids) async for _, e in bus.replay("SHARDS", Subjects.shards(name), 1,
+                done = sum([len(e.prompt_ids) async for _, e in bus.read_log(Streams.SHARDS, Subjects.shards(name), 1,
                                                                                ShardWritten)])
                 if worker.done():
                     worker.result()
             wall = time.monotonic() - t0
             stop.set()
             await worker
-            events = [e async for _, e in bus.replay("SHARDS", Subjects.shards(name), 1, ShardWritten)]
+            events = [e async for _, e in bus.read_log(Streams.SHARDS, Subjects.shards(name), 1, ShardWritten)]
             records = [r for e in events for r in read_completions(store.get_bytes(e.key))]
-            levels = [p.concurrency async for _, p in bus.replay(
-                "PROGRESS", Subjects.progress(name, "generate", "w0"), 1, GeneratorProgress)]
+            levels = [p.concurrency async for _, p in bus.read_log(
+                Streams.PROGRESS, Subjects.progress(name, "generate", "w0"), 1, GeneratorProgress)]
         stats = sim.stats()
     unique = len({r.prompt_id for r in records})
     return {"tokens_per_s": round(stats.steady["tokens_per_s"], 1), "mean_running": round(stats.steady["mean_running"], 1),

@@ -78,7 +78,7 @@ async def fleet(n: int, compression: float, logs: Path, quick: bool, profile: st
     from shared.messages import ShardWritten
     from shared.records import read_completions
     from shared.store import Store
-    from shared.topology import Subjects
+    from shared.topology import Streams, Subjects
 
     max_new = PROFILES[profile].max_new_tokens
     calib = calibrate(profile, max_new)
@@ -123,7 +123,7 @@ async def fleet(n: int, compression: float, logs: Path, quick: bool, profile: st
                 restarted = killed = False
                 while len(done_ids) < n:
                     await asyncio.sleep(2.0)
-                    async for s, e in bus.replay("SHARDS", Subjects.shards(run), seq, ShardWritten):
+                    async for s, e in bus.read_log(Streams.SHARDS, Subjects.shards(run), seq, ShardWritten):
                         seq = s + 1
                         records_seen += e.num_records
                         done_ids.update(e.prompt_ids)
@@ -154,7 +154,7 @@ async def fleet(n: int, compression: float, logs: Path, quick: bool, profile: st
                     ps[-1].send_signal(signal.SIGTERM)
                 for ps in procs.values():
                     ps[-1].wait(120)
-                shard_events = [e async for _, e in bus.replay("SHARDS", Subjects.shards(run), 1, ShardWritten)]
+                shard_events = [e async for _, e in bus.read_log(Streams.SHARDS, Subjects.shards(run), 1, ShardWritten)]
                 tokens = truncated = 0
                 sample = shard_events[:: max(1, len(shard_events) // 40)]
                 for e in shard_events:

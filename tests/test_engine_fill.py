@@ -42,7 +42,7 @@ def prompts(tmp_path: Path, n: int, tag: str) -> Path:
 async def generate_all(cfg: Config, bus: Bus, store: Store, src: Path, *, midway=None, timeout_s: float = 180):
     """Feed `src`, run one generator until every prompt is in a shard; (prompt ids fed, shard records, progress)."""
     await Feeder(cfg, bus, store).feed([str(src)])
-    fed = {t.prompt_id async for _, t in bus.replay("PROMPTS", Subjects.prompts(cfg.run), 1, PromptTask)}
+    fed = {t.prompt_id async for _, t in bus.read_log("PROMPTS", Subjects.prompts(cfg.run), 1, PromptTask)}
     stop = asyncio.Event()
     worker = asyncio.create_task(run_generator(cfg, "w0", stop=stop))
     done: set[str] = set()
@@ -58,15 +58,15 @@ async def generate_all(cfg: Config, bus: Bus, store: Store, src: Path, *, midway
             await asyncio.to_thread(midway)
     stop.set()
     stats = await asyncio.wait_for(worker, 60)
-    events = [e async for _, e in bus.replay("SHARDS", Subjects.shards(cfg.run), 1, ShardWritten)]
+    events = [e async for _, e in bus.read_log("SHARDS", Subjects.shards(cfg.run), 1, ShardWritten)]
     records = [r for e in events for r in read_completions(store.get_bytes(e.key))]
-    progress = [p async for _, p in bus.replay("PROGRESS", Subjects.progress(cfg.run, "generate", "w0"), 1,
+    progress = [p async for _, p in bus.read_log("PROGRESS", Subjects.progress(cfg.run, "generate", "w0"), 1,
                                                GeneratorProgress)]
     return fed, records, progress, stats
 
 
 async def _completed(bus: Bus, run: str):
-    async for _, e in bus.replay("SHARDS", Subjects.shards(run), 1, ShardWritten):
+    async for _, e in bus.read_log("SHARDS", Subjects.shards(run), 1, ShardWritten):
         for p in e.prompt_ids:
             yield p
 

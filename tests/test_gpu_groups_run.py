@@ -53,7 +53,7 @@ def _tokenized_events(stack, run: str) -> list[TokenizedShard]:
 
     async def read() -> list[TokenizedShard]:
         async with await Bus.connect(cfg.bus, "pytest", deadline_s=10) as bus:
-            return [e async for _, e in bus.replay("TOKENIZED", Subjects.tokenized(run), 1)
+            return [e async for _, e in bus.read_log("TOKENIZED", Subjects.tokenized(run), 1)
                     if isinstance(e, TokenizedShard)]
 
     return asyncio.run(read())

@@ -25,7 +25,7 @@ from shared.config import Config
 from shared.exits import Exit
 from shared.messages import EvalReport, TokenizedShard, TrainerProgress
 from shared.store import Store
-from shared.topology import ANY, Keys, Subjects
+from shared.topology import ANY, Keys, Streams, Subjects
 
 from .card import model_card
 from .destination import open_destination
@@ -60,14 +60,14 @@ def checkpoint_steps(store: Store, run: str) -> list[int]:
 
 async def trainer_activity(cfg: Config, bus: Bus) -> TrainerProgress | None:
     """The trainer's latest progress if it is training now (not done or stopped, heard from recently)."""
-    latest = await bus.latest_per_subject("PROGRESS", Subjects.progress(cfg.run, "train", ANY))
+    latest = await bus.latest_per_subject(Streams.PROGRESS, Subjects.progress(cfg.run, "train", ANY))
     recent = [p for _, p in latest if isinstance(p, TrainerProgress) and p.state not in _IDLE
               and time.time() - p.ts < cfg.dashboard.silent_after_s]
     return max(recent, key=lambda p: p.ts) if recent else None
 
 
 async def _last_progress(cfg: Config, bus: Bus) -> TrainerProgress | None:
-    latest = await bus.latest_per_subject("PROGRESS", Subjects.progress(cfg.run, "train", ANY))
+    latest = await bus.latest_per_subject(Streams.PROGRESS, Subjects.progress(cfg.run, "train", ANY))
     progress = [p for _, p in latest if isinstance(p, TrainerProgress)]
     return max(progress, key=lambda p: p.ts) if progress else None
 
@@ -77,7 +77,7 @@ async def training_data(cfg: Config, bus: Bus) -> dict[str, Any]:
     TOKENIZED log: one small event per shard, no shard is read) and the feeder's manifest."""
     by_fp: dict[str, dict[str, int]] = {}
     first: dict[str, int] = {}
-    async for seq, e in bus.replay("TOKENIZED", Subjects.tokenized(cfg.run), 1, TokenizedShard):
+    async for seq, e in bus.read_log(Streams.TOKENIZED, Subjects.tokenized(cfg.run), 1, TokenizedShard):
         first.setdefault(e.fingerprint, seq)
         agg = by_fp.setdefault(e.fingerprint, {"shards": 0, "samples": 0, "tokens": 0, "supervised": 0, "_keys": 0})
         agg["shards"] += 1
