@@ -75,3 +75,14 @@ def write_result(name: str, result: dict[str, Any]) -> Path:
 def table(rows: list[tuple[str, ...]]) -> str:
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
+
+
+def proc_numbers(pid: int) -> tuple[float, float] | None:
+    """(peak RSS MB, CPU seconds) of a live process; None once it is gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    hwm = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")), 0)
+    return hwm / 1024, (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")

@@ -35,22 +35,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import ROOT, bench_config, bench_stack, table, write_result
+from bench.common import ROOT, bench_config, bench_stack, proc_numbers, table, write_result
 from bench.engine_sim import PROFILES, EngineSimProcess, model_peak
 
 ENGINES = 4
 IDS_CAP = 16
 
 
-def proc_numbers(pid: int) -> tuple[float, float] | None:
-    """(peak RSS MB, CPU seconds) of a live process; None once it is gone."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    hwm = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")), 0)
-    return hwm / 1024, (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def calibrate(profile: str, max_new: int) -> dict[str, float]:

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import NATS_SYNC, ROOT, bench_config, bench_stack, table, write_result
+from common import NATS_SYNC, ROOT, bench_config, bench_stack, proc_numbers, table, write_result
 
 from services.pipeline.run import RunRequest, service_specs
 from services.pipeline.supervisor import Supervisor
@@ -70,16 +70,6 @@ def toml_of(settings: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def proc_numbers(pid: int) -> tuple[float, float] | None:
-    """(peak RSS MB, CPU seconds) of a live process, None once it is gone."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    hwm = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")), 0)
-    ticks = os.sysconf("SC_CLK_TCK")
-    return hwm / 1024, (int(stat[11]) + int(stat[12])) / ticks
 
 
 class Meter:
