@@ -42,8 +42,6 @@ ENGINES = 4
 IDS_CAP = 16
 
 
-
-
 def calibrate(profile: str, max_new: int) -> dict[str, float]:
     """What a calibration at the start measures: the engine's peak tokens/s at its best fixed concurrency (here: the
     simulator alone, 400 requests per level)."""

@@ -70,8 +70,6 @@ def toml_of(settings: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-
-
 class Meter:
     """Peak RSS and CPU time of every process, by service name; a restarted service's processes add up."""
 
