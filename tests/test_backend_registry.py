@@ -5,6 +5,7 @@ unknown kind is refused with the known ones named, at the CLI and in the config.
 from __future__ import annotations
 
 import argparse
+import inspect
 
 import msgspec
 import pytest
@@ -34,6 +35,7 @@ def test_every_registration_names_a_backend_class(kind: str) -> None:
     assert cls.__module__ == BACKENDS[kind].split(":")[0] and cls.__module__.startswith("services.generator.backends.")
     assert isinstance(cls.engine, str) and cls.engine.startswith(kind)
     assert all(callable(getattr(cls, m)) for m in ("start", "generate", "close"))
+    assert "gpus" in inspect.signature(cls.__init__).parameters  # make_backend builds every kind as Kind(cfg, gpus=)
 
 
 def test_an_unknown_kind_is_refused_naming_the_known_ones(tmp_path) -> None:

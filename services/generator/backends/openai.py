@@ -20,6 +20,7 @@ import os
 from typing import Any
 
 from shared.config import Config
+from shared.gpus import GpuGroup
 
 from ..engine_fill import AUTO_UPPER, EngineLoad, parse_prometheus
 from .base import (
@@ -40,7 +41,7 @@ VLLM_LOAD = {"vllm:num_requests_running", "vllm:num_requests_waiting"}
 class OpenAIBackend:
     engine = "openai"
 
-    def __init__(self, cfg: Config, *, gpu: int | None = None) -> None:  # gpu unused: the server owns its GPUs
+    def __init__(self, cfg: Config, *, gpus: GpuGroup | None = None) -> None:  # unused: the server owns its GPUs
         g = cfg.generator
         self.cfg = cfg
         self.endpoint = g.openai_endpoint
