@@ -283,6 +283,26 @@ class Chaos:
     async def _drive(self, cfg: Config, sup: Supervisor, store: Store) -> None:
         pending = list(self.s.faults)
         self.rng.shuffle(pending)
+        # a worker's kill needs its stage still running, a node's or S3's fault can come at any time: the
+        # worker kills first (a fast generation ended before its kill once the node faults took their turns)
+        pending.sort(key=lambda kind: kind not in ("kill_generator", "kill_tokenizer"))
+        # The trainer's kill is due the moment a checkpoint exists: its window (first checkpoint to the last step)
+        # lasts seconds on a fast machine, shorter than the time between timed faults and shorter than a status
+        # poll riding through a node fault, so its own watcher looks every half second.
+        trainer_killed = asyncio.create_task(self._kill_trainer_when_due(sup, store) if "kill_trainer" in pending
+                                             else asyncio.sleep(0))
+        try:
+            await self._drive_loop(cfg, sup, store, pending, trainer_killed)
+        finally:
+            trainer_killed.cancel()
+
+    async def _kill_trainer_when_due(self, sup: Supervisor, store: Store) -> None:
+        while not await self.inject("kill_trainer", sup, store):
+            await asyncio.sleep(0.5)
+
+    async def _drive_loop(self, cfg: Config, sup: Supervisor, store: Store, pending: list[str],
+                          trainer_killed: asyncio.Task) -> None:
+        """Timed faults in `pending`'s order while the run's phases move on, until the trainer is done."""
         injected = 0
         next_fault = time.monotonic() + self.s.fault_every_s
         phase = "generate"
@@ -298,9 +318,7 @@ class Chaos:
                 if looping:
                     self.report.failures.append(f"crash loop: {', '.join(looping)}")
                     return
-                # the trainer's kill is due the moment a checkpoint exists: its window (first checkpoint to the
-                # last step) lasts seconds on a fast machine, shorter than the time between timed faults
-                if "kill_trainer" in pending and await self.inject("kill_trainer", sup, store):
+                if trainer_killed.done() and "kill_trainer" in pending:
                     injected += 1
                     pending.remove("kill_trainer")
                 if injected < self.s.max_faults and time.monotonic() >= next_fault:
