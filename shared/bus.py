@@ -775,6 +775,12 @@ class LeaseHolder(msgspec.Struct, frozen=True):
     pid: int
     since: float  # unix time the holder acquired it
 
+    def dead_here(self) -> bool:
+        """A holder on this host whose process no longer exists (another host's, or a live one: False)."""
+        import psutil
+
+        return self.host == socket.gethostname() and self.pid != os.getpid() and not psutil.pid_exists(self.pid)
+
     def describe(self) -> str:
         return (f"{self.owner} (host {self.host}, pid {self.pid}, since "
                 f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(self.since))})")
@@ -821,11 +827,21 @@ class Lease:
         try:
             revision = await kv.create(key, msgspec.json.encode(me), msg_ttl=ttl)
         except nats.js.errors.KeyWrongLastSequenceError:
-            holder = None
+            holder, entry = None, None
             with contextlib.suppress(nats.js.errors.KeyNotFoundError, msgspec.DecodeError):  # lapsed meanwhile
                 entry = await kv.get(key)
                 holder = msgspec.json.decode(entry.value or b"", type=LeaseHolder)
-            raise LeaseHeld(key, holder) from None
+            if entry is None or holder is None or not holder.dead_here():
+                raise LeaseHeld(key, holder) from None
+            # its holder was this host's process and is gone (a kill -9 restarted at once): no need to wait out
+            # the TTL. Taken only if the entry is still the dead holder's revision.
+            try:
+                ack = await bus.js.publish(f"$KV.{LEASES_BUCKET}.{key}", msgspec.json.encode(me), msg_ttl=ttl,
+                                           headers={"Nats-Expected-Last-Subject-Sequence": str(entry.revision)})
+            except nats.js.errors.APIError:
+                raise LeaseHeld(key, holder) from None
+            revision = ack.seq
+            log.warning("lease %s: its holder %s is gone; taken over", key, holder.describe())
         lease = cls(bus, key, ttl, me, revision)
         lease._task = asyncio.create_task(lease._renew())
         log.info("lease %s acquired (ttl %ds)", key, ttl)

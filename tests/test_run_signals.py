@@ -316,3 +316,32 @@ async def test_a_lease_renewed_too_late_is_taken_again_unless_another_process_to
         with pytest.raises(LeaseHeld, match="held by b"):
             await Lease.acquire(a, key, 1, "a")
         await other.release()
+
+
+async def test_a_dead_holder_on_this_host_is_taken_over_one_elsewhere_waits_out_its_ttl(cfg) -> None:
+    """A trainer restarted right after a kill -9 on the same host does not wait out the TTL (its holder's pid is
+    gone); a holder on another host (its pid means nothing here) keeps the lease until its entry lapses."""
+    import socket
+
+    import msgspec
+
+    from shared.bus import LeaseHolder
+
+    key = lease_key(cfg.run, "trainer")
+    gone = psutil.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid that existed on this host and is gone
+    async with await Bus.connect(cfg.bus, "pytest-takeover", deadline_s=10) as bus:
+        kv = await Lease._bucket(bus)
+        elsewhere = LeaseHolder(owner="trainer elsewhere", host="another-host", pid=gone.pid, since=time.time())
+        await kv.create(key, msgspec.json.encode(elsewhere), msg_ttl=2)
+        with pytest.raises(LeaseHeld, match="another-host"):
+            await Lease.acquire(bus, key, 2, "pytest")
+        await asyncio.sleep(3)  # lapsed
+        mine = await Lease.acquire(bus, key, 2, "pytest")
+        await mine.release()
+        here = LeaseHolder(owner="trainer killed -9", host=socket.gethostname(), pid=gone.pid, since=time.time())
+        await kv.create(key, msgspec.json.encode(here), msg_ttl=30)
+        started = time.monotonic()
+        taken = await Lease.acquire(bus, key, 2, "pytest")  # at once, not in 30 s
+        assert time.monotonic() - started < 5 and taken.holder.pid == os.getpid()
+        await taken.release()
