@@ -62,7 +62,7 @@ async def trainer_activity(cfg: Config, bus: Bus) -> TrainerProgress | None:
     """The trainer's latest progress if it is training now (not done or stopped, heard from recently)."""
     latest = await bus.latest_per_subject(Streams.PROGRESS, Subjects.progress(cfg.run, "train", ANY))
     recent = [p for _, p in latest if isinstance(p, TrainerProgress) and p.state not in _IDLE
-              and time.time() - p.ts < cfg.dashboard.silent_after_s]
+              and time.time() - p.ts < cfg.view.silent_after_s]
     return max(recent, key=lambda p: p.ts) if recent else None
 
 
