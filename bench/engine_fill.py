@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import tempfile
 import time
@@ -116,6 +117,7 @@ def main() -> None:
     with bench_stack() as stack:
         for i, profile in enumerate(args.profiles.split(",")):
             compression, n, max_new = RUNS[profile]
+            load_before = os.getloadavg()  # the machine is shared: the row says how busy it was
             n = args.prompts or n
             auto = asyncio.run(one_run(stack, f"fill{i}a", profile, compression, n, max_new, {}))
             fixed = asyncio.run(one_run(stack, f"fill{i}f", profile, compression, n, max_new,
@@ -131,6 +133,8 @@ def main() -> None:
                 "sweep": {c: round(v["tokens_per_s"], 1) for c, v in sweep.items()},
                 "auto": auto, "auto_over_peak": round(auto["tokens_per_s"] / peak, 3),
                 "fixed16": fixed, "fixed16_over_peak": round(fixed["tokens_per_s"] / peak, 3),
+                "load_avg_1_5_15": {"before": [round(x, 2) for x in load_before],
+                                    "after": [round(x, 2) for x in os.getloadavg()]},
                 "exactly_once": auto["unique"] == auto["completions"] == n and fixed["unique"] == fixed["completions"] == n,
             }
             rows.append((profile, f"{peak:.0f} (c={best_c})", f"{auto['tokens_per_s']:.0f}",
