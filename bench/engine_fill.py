@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import tempfile
 import time
@@ -40,7 +41,11 @@ RUNS = {
 }
 
 
-async def one_run(stack, name: str, profile: str, compression: float, n: int, max_new: int, generator: dict) -> dict:
+async def one_run(stack, name: str, profile: str, compression: float, n: int, max_new: int, generator: dict,
+                  *, sim_extra: list[str] | None = None, wait_s: float = 3600.0) -> dict:
+    """One generator against the simulator until every prompt has an outcome — in a shard, or dead-lettered (a
+    dead letter is acked too: waiting for n completed prompts would wait for ever) — or `wait_s` has passed;
+    then its stop, bounded: a generator that does not return within its drain + 60 s is reported, not waited on."""
     from services.feeder.feed import Feeder
     from services.generator.service import run_generator
     from shared.bus import Bus
@@ -49,7 +54,7 @@ async def one_run(stack, name: str, profile: str, compression: float, n: int, ma
     from shared.store import Store
     from shared.topology import Streams, Subjects
 
-    with EngineSimProcess(profile, compression=compression, enable_metrics=True) as sim:
+    with EngineSimProcess(profile, compression=compression, enable_metrics=True, extra=sim_extra) as sim:
         cfg = bench_config(stack, name, generator={
             "backend": "sglang", "engine_url": sim.url, "shard_records": 64, "shard_seconds": 5.0,
             "engine_poll_s": 0.25, "progress_every_s": 1.0, **generator},
@@ -64,24 +69,36 @@ async def one_run(stack, name: str, profile: str, compression: float, n: int, ma
             stop = asyncio.Event()
             t0 = time.monotonic()
             worker = asyncio.create_task(run_generator(cfg, "w0", stop=stop))
-            done = 0
-            while done < n:
+            completed: set[str] = set()
+            dead = 0
+            while len(completed) + dead < n and time.monotonic() - t0 < wait_s:
                 await asyncio.sleep(1.0)
-                done = sum([len(e.prompt_ids) async for _, e in bus.read_log(Streams.SHARDS, Subjects.shards(name), 1,
-                                                                               ShardWritten)])
+                completed = {p async for _, e in bus.read_log(Streams.SHARDS, Subjects.shards(name), 1, ShardWritten)
+                             for p in e.prompt_ids}
+                dead = len({d.stream_seq for _, d in await bus.dead_letters(name, "generate")})
                 if worker.done():
                     worker.result()
             wall = time.monotonic() - t0
             stop.set()
-            await worker
+            t_stop = time.monotonic()
+            returned, _ = await asyncio.wait([worker], timeout=cfg.generator.drain_s + 60)
+            stop_s = time.monotonic() - t_stop
+            if returned:
+                worker.result()
+            else:
+                print(f"{name}: the generator did not return {stop_s:.0f}s after its stop", flush=True)
+                worker.cancel()
+                await asyncio.gather(worker, return_exceptions=True)
             events = [e async for _, e in bus.read_log(Streams.SHARDS, Subjects.shards(name), 1, ShardWritten)]
             records = [r for e in events for r in read_completions(store.get_bytes(e.key))]
             levels = [p.concurrency async for _, p in bus.read_log(
                 Streams.PROGRESS, Subjects.progress(name, "generate", "w0"), 1, GeneratorProgress)]
         stats = sim.stats()
     unique = len({r.prompt_id for r in records})
-    return {"tokens_per_s": round(stats.steady["tokens_per_s"], 1), "mean_running": round(stats.steady["mean_running"], 1),
-            "completions": len(records), "unique": unique, "wall_s": round(wall, 1),
+    return {"tokens_per_s": round(stats.steady.get("tokens_per_s", 0.0), 1),
+            "mean_running": round(stats.steady.get("mean_running", 0.0), 1),
+            "completions": len(records), "unique": unique, "dead_lettered": dead, "wall_s": round(wall, 1),
+            "all_outcomes": len(completed) + dead >= n, "stop_s": round(stop_s, 1), "returned": bool(returned),
             "sim_s": round(stats.sim_time_s, 1), "retracted": stats.requests_retracted,
             "level_max": max(levels, default=0), "level_last": levels[-1] if levels else 0,
             "mean_prompt_tokens": round(sum(r.prompt_tokens for r in records) / max(1, len(records)), 1),
@@ -96,10 +113,11 @@ def main() -> None:
     args = ap.parse_args()
     results = {}
     rows = [("profile", "peak tok/s (best fixed c)", "auto tok/s", "auto/peak", "fixed 16 tok/s", "16/peak",
-             "auto level max", "wall s")]
+             "auto level max", "wall s", "dead letters a/16")]
     with bench_stack() as stack:
         for i, profile in enumerate(args.profiles.split(",")):
             compression, n, max_new = RUNS[profile]
+            load_before = os.getloadavg()  # the machine is shared: the row says how busy it was
             n = args.prompts or n
             auto = asyncio.run(one_run(stack, f"fill{i}a", profile, compression, n, max_new, {}))
             fixed = asyncio.run(one_run(stack, f"fill{i}f", profile, compression, n, max_new,
@@ -115,11 +133,14 @@ def main() -> None:
                 "sweep": {c: round(v["tokens_per_s"], 1) for c, v in sweep.items()},
                 "auto": auto, "auto_over_peak": round(auto["tokens_per_s"] / peak, 3),
                 "fixed16": fixed, "fixed16_over_peak": round(fixed["tokens_per_s"] / peak, 3),
+                "load_avg_1_5_15": {"before": [round(x, 2) for x in load_before],
+                                    "after": [round(x, 2) for x in os.getloadavg()]},
                 "exactly_once": auto["unique"] == auto["completions"] == n and fixed["unique"] == fixed["completions"] == n,
             }
             rows.append((profile, f"{peak:.0f} (c={best_c})", f"{auto['tokens_per_s']:.0f}",
                          f"{auto['tokens_per_s'] / peak:.3f}", f"{fixed['tokens_per_s']:.0f}",
-                         f"{fixed['tokens_per_s'] / peak:.3f}", str(auto["level_max"]), str(auto["wall_s"])))
+                         f"{fixed['tokens_per_s'] / peak:.3f}", str(auto["level_max"]), str(auto["wall_s"]),
+                         f"{auto['dead_lettered']}/{fixed['dead_lettered']}"))
             print(table(rows[:1] + rows[-1:]), flush=True)
             path = write_result("engine_fill", {  # after each profile: a later one that fails keeps these
                 "note": "peak = the simulated engine alone at its best fixed concurrency (no HTTP, a perfect "

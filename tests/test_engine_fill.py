@@ -210,3 +210,17 @@ def test_controller_rules() -> None:
     for _ in range(10):
         rt.add(latency_s=20.0, tokens=1000)
     assert rt.seconds == pytest.approx(3 * 4096 * 0.02)
+
+
+async def test_fill_bench_ends_when_a_prompt_is_dead_lettered(stack, target_dir):
+    """bench/engine_fill.py's run waited for n completed prompts and only then stopped its generator; a prompt
+    dead-lettered (acked, never in a shard) left it waiting for ever beside an idle generator, every prompt
+    acked — the rtxpro6000-27b hang. Here 5xx answers with max_deliver 1 dead-letter some prompts: the run
+    ends once every prompt has an outcome, stops its generator, and reports the dead letters."""
+    from bench.engine_fill import one_run
+
+    n = 40
+    got = await asyncio.wait_for(one_run(stack, "deadfill", "test-batch", 4.0, n, 160, {"max_deliver": 1, "drain_s": 5.0},
+                                         sim_extra=["--error-rate", "0.2"], wait_s=120), 60)
+    assert got["dead_lettered"] > 0 and got["all_outcomes"] and got["returned"], got
+    assert got["unique"] == got["completions"] == n - got["dead_lettered"], got
