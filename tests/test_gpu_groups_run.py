@@ -27,6 +27,9 @@ CONFIG = """
 max_new_tokens = 64
 [generator]
 shard_records = 8
+# an upper bound on each generator's level: with the automatic one (up to 1024 + two shards held), the first
+# generator to start would take all 36 prompts, and the check that both groups' engines served needs both
+max_inflight = 8
 [tokenizer]
 min_supervised_tokens = 4
 truncated_policy = "keep"
