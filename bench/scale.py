@@ -91,9 +91,13 @@ class Meter:
         return out
 
 
+DURABLE_STATUS_KEYS = ("total", "rejects", "completed", "completion_records", "shards", "dead_lettered",
+                       "tokenized_samples", "tokenized_shards", "tokenized_records", "dropped")
+
+
 async def consumer_counts(bus: Any, stream: str, consumer: str) -> tuple[int, int] | None:
     """(pending, ack pending) of a consumer; None before it exists."""
-    info = await bus.consumer_state(stream, durable)
+    info = await bus.consumer_state(stream, consumer)
     return None if info is None else (info.pending, info.ack_pending)
 
 
@@ -314,10 +318,9 @@ def measure(n: int, faults: bool, steps: int) -> dict[str, Any]:
         "unique_completions_equal_accepted": status["completed"] == accepted and dead == 0,
         "one_sample_per_kept_prompt": probe["rows"] == probe["unique_prompts"] == probe["kept"]
         == status["tokenized_samples"] == accepted - sum(v for k, v in status["dropped"].items() if k != "duplicate"),
-        "status_calls_agree": status == {**status2, "workers": status["workers"], "alerts": status["alerts"],
-                                         "completions_per_s": status["completions_per_s"],
-                                         "completion_tokens_per_s": status["completion_tokens_per_s"],
-                                         "eta_s": status["eta_s"]},
+        # the durable counts (a fresh process from the snapshot + tail vs the one that wrote it); rates, ETAs and
+        # workers' ages move with the clock between the two calls
+        "status_calls_agree": all(status[k] == status2[k] for k in DURABLE_STATUS_KEYS),
     }
     e2e = times["tokenize"]
     return {

@@ -182,7 +182,8 @@ def test_compose_cpu_profile_runs_the_pipeline_and_resumes_without_redoing(tmp_p
         for name in ("nats", "seaweedfs", "dashboard"):
             assert states[name].get("Health") == "healthy", (name, states[name])
         for name in ("feeder", "trainer-cpu", "eval-cpu"):
-            assert states[name]["State"] == "exited" and states[name]["ExitCode"] == 0, (name, states[name])
+            assert states[name]["State"] == "exited" and states[name]["ExitCode"] == 0, \
+                (name, states[name], compose("logs", "--tail", "40", name, check=False)[-4000:])
 
         first = _status(client_env)
         objects = _s3_objects(client_env)
