@@ -126,7 +126,9 @@ async def test_openai_backend_fills_from_vllm_metrics_and_from_throughput(stack,
             engine = sim.stats()
         assert sorted(r.prompt_id for r in records) == sorted(fed)
         # vLLM's counts: straight past the old 16 (a slow start); no counts: windows of >= 5 s, a quarter more each
-        assert max(p.concurrency for p in progress) >= (48 if flavor == "vllm" else 30), [p.concurrency for p in progress]
+        # (no counts: how far it climbs in 100 prompts depends on how many windows the machine's speed gives it:
+        # 28 and 30 were both seen; past the old fixed 16 is the claim)
+        assert max(p.concurrency for p in progress) >= (48 if flavor == "vllm" else 20), [p.concurrency for p in progress]
         peak = await asyncio.to_thread(peak_tokens_per_s, "test-batch", 160)  # chat: the simulator counts chars/4
         # vLLM: no batch limit to start from, a slow start. No metrics: throughput windows of >= 5 s, a quarter more
         # each — on 100 prompts it gets past what a fixed 16 gives (0.32 of this peak, bench/engine_fill.py) but
