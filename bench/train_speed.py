@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 from common import ROOT, table, write_result
@@ -142,21 +141,12 @@ def profile_shares(run_step, phases: tuple[str, ...]) -> dict[str, float]:
 
 def cpu_description() -> dict:
     """The CPU's model, its matrix-relevant flags, the kernel restriction in force and torch's view of it."""
-    import platform
+    from shared.machine import cpu_flags, cpu_model
 
-    flags, model = set(), platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags") and not flags:
-                flags = set(line.split(":", 1)[1].split())
-            elif line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-    except OSError:
-        pass
     wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "amx_int8")
     restriction = {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
                    if k in os.environ}
-    return {"model": model, "cores": os.cpu_count(), "flags": [f for f in wanted if f in flags],
+    return {"model": cpu_model(), "cores": os.cpu_count(), "flags": cpu_flags(wanted),
             "restriction": restriction, "torch_cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
 

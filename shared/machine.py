@@ -8,7 +8,7 @@ import platform
 from pathlib import Path
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -18,14 +18,13 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _cpu_features() -> list[str]:
-    """The matmul units that decide a CPU's speed here (bf16 or not)."""
+def cpu_flags(wanted: tuple[str, ...] = ("amx_bf16", "avx512_bf16", "avx512f", "avx2")) -> list[str]:
+    """Which of `wanted` this CPU has, in that order (default: the matmul units that decide its speed here)."""
     try:
         flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
                       if line.startswith("flags")), [])
     except OSError:
         return []
-    wanted = ("amx_bf16", "avx512_bf16", "avx512f", "avx2")
     return [f for f in wanted if f in flags]
 
 
@@ -38,5 +37,5 @@ def describe_machine(device: str = "cpu") -> str:
             index = int(device.split(":", 1)[1]) if ":" in device else 0
             return f"{torch.cuda.get_device_name(index)} ({device})"
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    features = _cpu_features()
-    return f"CPU: {_cpu_model()}, {cores} cores" + (f" ({', '.join(features)})" if features else "")
+    features = cpu_flags()
+    return f"CPU: {cpu_model()}, {cores} cores" + (f" ({', '.join(features)})" if features else "")

@@ -175,3 +175,12 @@ def target_dir() -> Path:
     from shared.model import resolve_target
 
     return resolve_target("smollm2")
+
+
+@pytest.fixture
+def page_env(stack: EmbeddedStack, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The dashboard page (streamlit's AppTest, in this process) pointed at the test stack, no password."""
+    for k, v in stack.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("DFLASH_DASHBOARD_PASSWORD", raising=False)
+    yield

@@ -69,14 +69,6 @@ def wait_page(at: AppTest, ok: Callable[[AppTest], bool], timeout_s: float = 25.
         time.sleep(0.5)
 
 
-@pytest.fixture
-def page_env(stack: EmbeddedStack, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    for k, v in stack.env().items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.delenv("DFLASH_DASHBOARD_PASSWORD", raising=False)
-    yield
-
-
 async def dead_letter_one(bus: Bus, run: str) -> None:
     """A real dead letter: a malformed prompt through the real worker loop."""
     await bus.publish_raw(Subjects.prompts(run), b"\x93not a prompt")

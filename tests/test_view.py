@@ -9,7 +9,7 @@ import logging
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +33,10 @@ from shared.messages import (
     TokenizerProgress,
     TrainerProgress,
 )
-from shared.stack import EmbeddedStack
 from shared.status import format_status, run_overview, run_status
 from shared.topology import Subjects
 from shared.view import SCHEMA, RunView, duration, window_rates
+from tests.test_dashboard import wait_page
 
 APP = Path(__file__).resolve().parents[1] / "dashboard" / "app.py"
 WINDOW = ViewConfig().rate_window_s  # the default window: the page reads the environment's config, as a user's would
@@ -161,32 +161,12 @@ def numbers(v: RunView) -> dict[str, Any]:
     }
 
 
-@pytest.fixture
-def page_env(stack: EmbeddedStack, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    for k, val in stack.env().items():
-        monkeypatch.setenv(k, val)
-    monkeypatch.delenv("DFLASH_DASHBOARD_PASSWORD", raising=False)
-    yield
-
-
 @pytest.fixture(autouse=True, scope="module")
 def release_listeners() -> Iterator[None]:
     yield
     import streamlit as st
 
     st.cache_resource.clear()
-
-
-def wait_page(at: AppTest, ok: Callable[[AppTest], bool], timeout_s: float = 30.0) -> AppTest:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        at.run()
-        assert not at.exception, [e.value for e in at.exception]
-        if ok(at):
-            return at
-        if time.monotonic() > deadline:
-            raise AssertionError(f"page never got there: {[m.label + '=' + m.value for m in at.metric]}")
-        time.sleep(0.5)
 
 
 async def test_status_the_run_display_and_the_dashboard_show_one_set_of_numbers(
@@ -239,7 +219,7 @@ async def test_status_the_run_display_and_the_dashboard_show_one_set_of_numbers(
     at = AppTest.from_file(str(APP), default_timeout=30)
     at.query_params["run"] = run
     at = await asyncio.to_thread(wait_page, at, lambda a: {m.label: m.value for m in a.metric}.get(
-        "tokenized shards") == "2 / 3" and any("slow_engine" in w.value for w in a.warning))
+        "tokenized shards") == "2 / 3" and any("slow_engine" in w.value for w in a.warning), 30.0)
     m = {x.label: x.value for x in at.metric}
     assert (m["fed"], m["generated"], m["tokenized shards"], m["trained (steps)"]) == (
         "100 / 100", "58 / 100", "2 / 3", "20 / 100")
