@@ -117,7 +117,17 @@ def service_env(s: ChaosSettings) -> dict[str, str]:
         "TRAINER__MAX_STEPS": s.train_steps, "TRAINER__CHECKPOINT_EVERY": 4, "TRAINER__TOKEN_BUDGET": 300,
         "TRAINER__MAX_LENGTH": 160, "TRAINER__HOLDOUT_MOD": 10, "TRAINER__WAIT_FOR_DATA_S": 600,
     }
+    if s.backend == "synthetic":  # it answers at once: paced so that generation outlasts the fault plan
+        values["GENERATOR__SYNTHETIC_RATE"] = round(s.prompts / (s.generators * 1.2 * fault_plan_s(s)), 4)
     return {f"DFLASH_{k}": str(v) for k, v in values.items()}
+
+
+def fault_plan_s(s: ChaosSettings) -> float:
+    """About how long injecting every timed fault takes: each waits `fault_every_s` after the one before, and a
+    node fault admits no other until its node is back (down or frozen, then a few seconds to rejoin)."""
+    timed = [k for k in s.faults if k != "kill_trainer"][: s.max_faults]
+    down = {k: (s.freeze_s if k == "freeze_node" else s.node_down_s) + 5.0 for k in NODE_FAULTS}
+    return sum(max(s.fault_every_s, down.get(k, 0.0)) for k in timed) + s.fault_every_s
 
 
 class Chaos:

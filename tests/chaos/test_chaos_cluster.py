@@ -4,7 +4,8 @@ Faults, each at least once: SIGKILL of the PROMPTS stream leader, the SHARDS str
 (each node back 5 s later), a node SIGSTOPped for 10 s (longer than a failover) then SIGCONT, a volume server
 SIGKILLed while shards and checkpoints are written, and kill -9 of a generator, the tokenizer and the trainer
 (after its first checkpoint). Generators, tokenizer and trainer connect to different members. The synthetic
-backend keeps generation short; the trainer is the real one. Checks (services/pipeline/chaos.py): unique
+backend answers at once, so chaos paces it to outlast the fault plan (chaos.fault_plan_s: on a fast machine an
+unpaced run ended before its last fault); the trainer is the real one. Checks (services/pipeline/chaos.py): unique
 completions = accepted prompts, one sample per kept prompt, the trainer resumed from a checkpoint and ended at
 its last step; and the driver's poll (`dfpipe run`'s ledger reads) never failed past its retries.
 """
