@@ -15,8 +15,10 @@ first. A generator that holds fewer requests than that leaves the GPU idle in pr
 - **It says only its limit** (`/get_server_info`'s `effective_max_running_requests_per_dp` × DP ranks): the
   starting level is that limit plus the queue.
 - **It says nothing** (no or broken metrics, e.g. `transformers serve`): start at the safe fixed
-  `fallback` level and climb on measured throughput — a quarter more while completion tokens/s rise by
-  ≥ 5% per window, back to the best level when they stop, probing again later.
+  `fallback` level and climb on measured throughput — doubling while completion tokens/s rise by ≥ 5% per
+  window (a slow start: an engine's tokens/s grow about linearly with its batch up to its cap, so a short run
+  gets there in a few windows), back to the best level when they stop, then a quarter more at a time,
+  probing again later.
 
 The level never exceeds `upper` (`generator.max_inflight` when set; otherwise 1024 — see `auto_upper`).
 """
@@ -83,6 +85,7 @@ class FillController:
         self.best_rate = 0.0
         self.best_level = self.level
         self.hold_windows = 0
+        self.slow_start = True
 
     def want_queue(self, running: int | None = None) -> int:
         basis = self.max_running or running or 8
@@ -128,8 +131,10 @@ class FillController:
             return
         if tokens_per_s > self.best_rate * 1.05:
             self.best_rate, self.best_level = tokens_per_s, self.level
-            self.level = min(self.upper, math.ceil(self.level * 1.25) + 1)
+            # a slow start (double) until the first window that gains nothing, a quarter more after that
+            self.level = min(self.upper, 2 * self.level if self.slow_start else math.ceil(self.level * 1.25) + 1)
         else:
+            self.slow_start = False
             self.level = self.best_level
             self.hold_windows = 6
 
