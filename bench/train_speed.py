@@ -9,7 +9,7 @@ demo's config (services/pipeline/data/demo.toml: DFlash 2, B=8, 2 layers from th
 anchors, soft labels; also as DFlash), none with a draft vocabulary (servers do not read one).
 Target: ratio ≥ 0.5. Each shape's step is also profiled once (torch.profiler, the ranges step.py names:
 target forward, drafter forward, head + CE, selector, backward, optimizer): their shares of the step, applied
-to the unprofiled step time. `BENCH_TRAIN_SHAPES=demo` runs the demo's shapes only. To measure as an AVX2-only
+to the unprofiled step time. `BENCH_TRAIN_SHAPES=demo` runs the demo's shapes only (`BENCH_TRAIN_DEMO=FILE`: another demo config). To measure as an AVX2-only
 CPU on one with AVX-512/AMX, restrict every kernel library: ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
 MKL_ENABLE_INSTRUCTIONS=AVX2 (recorded in the result, with the CPU's flags and the bf16 probe's timing).
 Writes bench/results/train_speed.json (or train_speed-<BENCH_TRAIN_TAG>.json).
@@ -20,13 +20,14 @@ from __future__ import annotations
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 from common import ROOT, table, write_result
 
 ROUNDS = int(os.environ.get("BENCH_TRAIN_ROUNDS", "3"))
 SEQUENCES = int(os.environ.get("BENCH_TRAIN_SEQUENCES", "8"))
-DEMO = ROOT / "services/pipeline/data/demo.toml"
+DEMO = Path(os.environ.get("BENCH_TRAIN_DEMO", ROOT / "services/pipeline/data/demo.toml"))  # another shape to compare
 SHAPES = {"default DFlash (B=16, 5 layers, 512 anchors)": (None, "dflash"),
           "default DFlash 2": (None, "dflash2"),
           "demo.toml DFlash 2 (B=8, 2 layers, 128 anchors, soft labels)": (DEMO, "dflash2"),

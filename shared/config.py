@@ -202,6 +202,11 @@ class TrainerConfig(Section):
     # Stop after this much training time (0: no limit), checkpointed as "done"; the cosine schedule then
     # follows whichever of steps and time is further along (so such runs are not bit-reproducible).
     max_train_s: float = 0.0
+    # `dfpipe run` only (0: off): the whole run, from the command to the eval's report, within this many seconds.
+    # When training starts, its time budget becomes what is left of it, less the eval's expected time on this
+    # machine (services/pipeline/expect.py), and at most max_train_s when that is set. The demo's 20 minutes.
+    # Only where that time is estimated: the in-process hf backend on a CPU.
+    run_budget_s: float = 0.0
     # Local disk cache of the tokenized shards as flat token/mask arrays, shared by the ranks of a node
     # (empty: <stack.data_dir>/cache/tokenized). Needs about 5 bytes per token of the run's data.
     data_cache_dir: str = ""

@@ -143,7 +143,8 @@ class TrainerProgress(Message, tag="trainer_progress"):
     run: str
     worker: str
     step: int = 0
-    total_steps: int = 0  # the step schedule's length now (data that joins later stretches it)
+    total_steps: int = 0  # the step schedule's length now (data that joins later stretches it); under a
+    # time budget that ends first, the step it will end at at the current pace
     epoch: int = 0
     loss: float = 0.0
     lr: float = 0.0
@@ -157,6 +158,7 @@ class TrainerProgress(Message, tag="trainer_progress"):
     resumes: int = 0  # times this run's training went on from a checkpoint (kept in the checkpoints)
     steps_per_s: float = 0.0  # optimizer steps per second over the recent steps
     eta_s: float | None = None  # seconds to total_steps at that rate; None while unknown
+    ended_by: str = ""  # what ended a done training: "steps" (max_steps), "epochs" or "time" (max_train_s)
 
 
 class EvalReport(Message, tag="eval_report"):

@@ -56,6 +56,8 @@ def record_run_config(store: Store, cfg: Config) -> list[str]:
     except ObjectConflict:
         recorded = json.loads(store.get_bytes(Keys.run_config(cfg.run)))
     changed = differences(recorded, run_settings(cfg))
+    if cfg.trainer.run_budget_s > 0:  # `dfpipe run` set the training's budget from the run's: not a change
+        changed = [k for k in changed if k != "trainer.max_train_s"]
     if changed:
         log.warning("run %s was started with other settings (%s: %s); this process uses its own, the run's "
                     "record keeps the start's", cfg.run, Keys.run_config(cfg.run), ", ".join(changed))

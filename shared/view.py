@@ -133,6 +133,7 @@ class TrainingView(msgspec.Struct, kw_only=True):
     tokens_per_s: float
     samples_seen: int
     checkpoint_key: str | None
+    ended_by: str = ""  # a done training's end: "steps", "epochs" or "time" (its max_train_s)
 
 
 class RunView(msgspec.Struct, kw_only=True):
@@ -268,7 +269,7 @@ def _training(msgs: list[TrainerProgress], now: float, silent_after_s: float) ->
                         estimated_tau=t.estimated_tau if stepped else None,
                         steps_per_s=t.steps_per_s if live else 0.0,
                         eta_s=0.0 if done else (t.eta_s if live else None), tokens_per_s=t.tokens_per_s if live else 0.0,
-                        samples_seen=t.samples_seen, checkpoint_key=t.checkpoint_key)
+                        samples_seen=t.samples_seen, checkpoint_key=t.checkpoint_key, ended_by=t.ended_by)
 
 
 def build_view(run: str, facts: LedgerFacts, latest: Iterable[Message], now: float, cfg: ViewConfig) -> RunView:

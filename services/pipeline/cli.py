@@ -125,7 +125,26 @@ def _run(args: argparse.Namespace) -> int:
     request = RunRequest(prompts=[p if p.startswith("s3://") else os.path.abspath(p) for p in prompts],
                          generators=generators, backend=args.backend, train=not args.no_train,
                          dashboard=not args.no_dashboard)
+    _say_expected(cfg, request)
     return asyncio.run(run_pipeline(cfg, request, env=env, show=not args.plain))
+
+
+def _say_expected(cfg: Any, request: Any) -> None:
+    """A CPU run of the in-process backend: how long it should take here, from a half-second probe (and the
+    eval's share, which `trainer.run_budget_s` keeps free at the end)."""
+    if (request.backend or cfg.generator.backend) != "hf" or any(g is not None for g in request.generators):
+        return
+    import torch
+
+    if cfg.model.device.startswith("cuda") or (cfg.model.device == "auto" and torch.cuda.is_available()):
+        return
+    from .expect import count_prompts, expect, probe_gflops
+
+    prompts = count_prompts(request.prompts)
+    if prompts:
+        expected = expect(cfg, prompts, train=request.train, probe=probe_gflops())
+        request.expected_eval_s = dict(expected.stages).get("eval")
+        print(expected.line(), flush=True)
 
 
 def _chaos(args: argparse.Namespace) -> int:

@@ -37,8 +37,9 @@ from shared.runconfig import record_run_config
 from shared.status import RunOverview, RunStatus, duration, rate_text, run_overview, run_status, training_text
 from shared.store import Store
 from shared.topology import Keys, Subjects
-from shared.view import RunView
+from shared.view import RunView, TrainingView
 
+from .expect import RUN_MARGIN_S
 from .layout import engine_urls, engines_still_up, generator_argv, launched_engine_urls, trainer_spec
 from .supervisor import ServiceSpec, ServiceState, Supervisor, kill_group
 
@@ -62,6 +63,21 @@ class RunRequest:
     train: bool = True
     dashboard: bool = True
     extra_env: dict[str, str] = field(default_factory=dict)
+    started_at: float = field(default_factory=time.monotonic)  # when the command began (trainer.run_budget_s)
+    expected_eval_s: float | None = None  # the eval's expected time on this machine, when it was estimated
+
+
+def training_budget_s(cfg: Config, request: RunRequest, now: float, margin_s: float = RUN_MARGIN_S) -> float | None:
+    """The training's time budget when it starts under `trainer.run_budget_s`: what is left of the run's
+    budget, less the eval's expected time and `margin_s` (the trainer's start and last checkpoint), at most
+    `max_train_s` when set, at least a minute (a run already late still trains). None: no run budget."""
+    t = cfg.trainer
+    if t.run_budget_s <= 0 or request.expected_eval_s is None:
+        return None
+    left = t.run_budget_s - (now - request.started_at) - request.expected_eval_s - margin_s
+    if t.max_train_s > 0:
+        left = min(left, t.max_train_s)
+    return round(max(60.0, left))
 
 
 def cli_argv(*args: str) -> list[str]:
@@ -301,6 +317,13 @@ async def _run_pipeline(cfg: Config, request: RunRequest, *, env: dict[str, str]
                                 launched_engine_urls(cfg, request.generators, request.backend), 120.0)):
                             print(f"engines this run launched still answer at {', '.join(up)}: training starts "
                                   "beside them (stop them to free their GPUs)")
+                        if sup.state()["trainer"] == "pending" and (budget := training_budget_s(
+                                cfg, request, time.monotonic())) is not None:
+                            sup.services["trainer"].spec.env["DFLASH_TRAINER__MAX_TRAIN_S"] = str(budget)
+                            cfg = msgspec.structs.replace(cfg, trainer=msgspec.structs.replace(cfg.trainer, max_train_s=budget))
+                            print(f"training for {budget / 60:.1f} minutes: what is left of the run's "
+                                  f"{cfg.trainer.run_budget_s / 60:.0f} (trainer.run_budget_s) after the eval's expected "
+                                  f"{request.expected_eval_s / 60:.1f}", flush=True)
                         sup.launch("trainer")
                         state = sup.state()["trainer"]
                         if state == "done":
@@ -367,6 +390,8 @@ def print_artifacts(cfg: Config, store: Store, report: dict | None, st: RunStatu
     dropped = {r: n for r, n in st.dropped.items() if r != "duplicate"}
     if dropped:
         print("  dropped: " + ", ".join(f"{r} {n}" for r, n in dropped.items()) + f"  (listed by `dfpipe drops --run {run}`)")
+    if st.training and st.training.ended_by:
+        print("  " + training_end(cfg, st.training))
     print(f"run {run} finished. Artifacts:")
     print(f"  manifest      {store.uri(Keys.manifest(run))}")
     print(f"  rejects       {store.uri(Keys.rejects(run))}")
@@ -387,14 +412,26 @@ def print_artifacts(cfg: Config, store: Store, report: dict | None, st: RunStatu
           "completions as a dataset")
 
 
+def training_end(cfg: Config, t: TrainingView) -> str:
+    """Which budget ended the training: a τ reads differently after 7 minutes than after 4 epochs."""
+    budget = (f"what was left of the run's {cfg.trainer.run_budget_s / 60:.0f} minutes, trainer.run_budget_s"
+              if cfg.trainer.run_budget_s > 0 else "trainer.max_train_s")
+    why = {"time": f"its time budget ({cfg.trainer.max_train_s:.0f} s: {budget})",
+           "epochs": f"its epochs (trainer.epochs = {cfg.trainer.epochs})",
+           "steps": f"its steps (trainer.max_steps = {cfg.trainer.max_steps})"}.get(t.ended_by, t.ended_by)
+    return f"training: {t.step} steps, ended by {why}"
+
+
 # What the first eval a newcomer sees means (the demo: a 135M target on a 2-core CPU, a short training), from
-# measurements on such a machine (bench/results/train_quality.json; bench/README.md).
+# measurements on such a machine (bench/results/demo.json, train_quality.json; bench/README.md).
 EXPECTED_ON_A_SMALL_CPU = (
     "  what to expect on this CPU: τ (tokens per cycle, bonus included) is the drafter's quality. The demo\n"
-    "  (350 prompts, 4 epochs of a two-layer DFlash 2 drafter) ends near τ 1.9 (measured alone on 2 cores:\n"
-    "  τ 1.905 on 16 held-out prompts, speedup 0.90x, 19 minutes in all); 1,500 prompts and 30 minutes of\n"
-    "  training reach τ 2.0 (bench/train_quality.py). The speedup stays below 1x (0.95x at τ 2.0): a 135M\n"
-    "  target on a CPU is compute-bound, so a drafter pass plus a block-wide verify cost about what the\n"
-    "  tokens they save would. Speculative decoding pays where the target is large and memory-bound (an 8B+\n"
-    "  target on a GPU: the paper reports τ 6.49 and 4.86x for Qwen3-8B). τ carries over; the speedup is\n"
-    "  this machine's.")
+    "  (350 prompts, 80-token answers, a two-layer block-4 DFlash 2 drafter trained for what is left of a\n"
+    "  19-minute run) ends near τ 1.5 on a 2-core AVX2 CPU (measured: τ 1.52 on 24 held-out prompts,\n"
+    "  lossless, speedup 0.67x, 481 steps, 18.5 minutes in all; bench/results/demo.json). Longer training\n"
+    "  reaches τ 1.9-2.0: 4 epochs of 192-token answers (about 20 minutes of training with bf16 units) τ 1.9;\n"
+    "  1,500 prompts and 30 minutes τ 2.00 (bench/train_quality.py). The speedup stays below 1x (0.95x at\n"
+    "  τ 2.0): a 135M target on a CPU is compute-bound, so a drafter pass plus a block-wide verify cost about\n"
+    "  what the tokens they save would. Speculative decoding pays where the target is large and memory-bound\n"
+    "  (an 8B+ target on a GPU: the paper reports τ 6.49 and 4.86x for Qwen3-8B). τ carries over; the\n"
+    "  speedup is this machine's.")

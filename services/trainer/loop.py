@@ -314,10 +314,13 @@ class Trainer:
     def _progress(self, out: StepResult, checkpoint_key: str | None) -> TrainerProgress:
         """The progress message after a step (and, every `view.log_every_s`, the log's progress line)."""
         t = self.cfg.trainer
-        steps_per_s, eta_s = self.pace.observe(self.steps_done, self.schedule.total,
-                                               t.max_train_s - self.train_s if t.max_train_s > 0 else None)
+        budget_left_s = t.max_train_s - self.train_s if t.max_train_s > 0 else None
+        steps_per_s, eta_s = self.pace.observe(self.steps_done, self.schedule.total, budget_left_s)
+        total = self.schedule.total
+        if budget_left_s is not None and steps_per_s > 0:  # the time budget binds: the steps it will end at
+            total = min(total, self.steps_done + round(steps_per_s * max(0.0, budget_left_s)))
         progress = TrainerProgress(
-            run=self.run, worker=self.worker, step=self.steps_done, total_steps=self.schedule.total,
+            run=self.run, worker=self.worker, step=self.steps_done, total_steps=total,
             epoch=self.cursor.epoch, loss=out.loss,
             lr=self.opt.param_groups[0]["lr"], position_accuracy=[round(a, 4) for a in out.acc],
             estimated_tau=round(estimated_tau(out.acc), 4), tokens_per_s=round(out.tokens_per_s, 1),
@@ -343,7 +346,15 @@ class Trainer:
         return checkpoint_key
 
     def _finished(self) -> bool:
-        return self.steps_done >= self.schedule.total or self._epochs_done() or self.out_of_time()
+        return bool(self._ended_by())
+
+    def _ended_by(self) -> str:
+        """Which budget ended the training ("": none yet): the report says it, so a τ is read with it."""
+        if self.out_of_time():
+            return "time"
+        if self._epochs_done():
+            return "epochs"
+        return "steps" if self.steps_done >= self.schedule.total else ""
 
     async def run_until(self, stop: asyncio.Event) -> TrainerProgress:
         """First data (or a resume), then until the schedule, the epochs or the time budget end, or a stop:
@@ -376,7 +387,8 @@ class Trainer:
                     await self.bus.publish(subject, self.last)
             checkpoint_key = await self._final_checkpoint(checkpoint_key)
             self.last = msgspec.structs.replace(self.last, checkpoint_key=checkpoint_key,
-                                                state="done" if self._finished() else "stopped", ts=time.time())
+                                                state="done" if self._finished() else "stopped",
+                                                ended_by=self._ended_by(), ts=time.time())
         return self.last
 
 

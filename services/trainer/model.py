@@ -18,9 +18,11 @@ A draft vocabulary (`trainer.draft_vocab = K`, off by default) restricts the dra
 the K tokens most frequent in the training labels, as EAGLE-3's: the frozen head's cost falls by V/K
 in training and drafting, and nothing else changes (the target verifies every proposal). It adds
 `dflash_config.draft_vocab_size` and a `draft_vocab` [K] id tensor to the checkpoint, which no engine
-serves: the reference reports `draft_vocab` as an unexpected tensor, SGLang skips it and vLLM reads only a
-top-level `draft_vocab_size` with its own `d2t` layout, so each proposes over the whole vocabulary and the
-drafter's measured τ is not what they would serve.
+serves as written. SGLang's DFlash has no head of its own (it drafts through the target's `lm_head` and drops
+unknown tensors) and the reference reads no draft vocabulary: both propose over the whole vocabulary. vLLM's
+`qwen3_dflash.py` would serve it in another layout — a top-level `draft_vocab_size`, an `lm_head.weight` [K, H]
+of its own and `d2t` [K] offsets (target id − i, EAGLE-3's) — which `dfpipe export` does not write yet; DFlash 2
+takes no reduced vocabulary anywhere. So the demo, which must serve in SGLang, keeps the whole vocabulary.
 """
 
 from __future__ import annotations
