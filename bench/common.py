@@ -72,6 +72,22 @@ def write_result(name: str, result: dict[str, Any]) -> Path:
     return out
 
 
+AVX2_ONLY = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+
+
+def cpu_description() -> dict:
+    """The CPU's model, its matrix-relevant flags, the kernel restriction in force (AVX2_ONLY's variables, read
+    when torch loads) and torch's view of it."""
+    import torch
+
+    from shared.machine import cpu_flags, cpu_model
+
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "amx_int8")
+    restriction = {k: os.environ[k] for k in AVX2_ONLY if k in os.environ}
+    return {"model": cpu_model(), "cores": os.cpu_count(), "flags": cpu_flags(wanted),
+            "restriction": restriction, "torch_cpu_capability": torch.backends.cpu.get_cpu_capability()}
+
+
 def table(rows: list[tuple[str, ...]]) -> str:
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows)

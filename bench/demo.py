@@ -19,19 +19,17 @@ import sys
 import tempfile
 import time
 
-from common import ROOT, table, write_result
-
-AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+from common import AVX2_ONLY, ROOT, cpu_description, table, write_result
 
 
 def main() -> int:
-    from shared.machine import cpu_flags, cpu_model
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--avx2", action="store_true", help="restrict torch's kernels to AVX2")
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
-    env = {**os.environ, **(AVX2 if args.avx2 else {})}
+    if args.avx2:  # here too, so that cpu_description() reports the restriction the run had
+        os.environ.update(AVX2_ONLY)
+    env = dict(os.environ)
     env.pop("DFLASH_CONFIG", None)
     marks: dict[str, float] = {}
     lines: list[tuple[float, str]] = []
@@ -70,9 +68,7 @@ def main() -> int:
             before = marks[name]
     result = {
         "status": "complete" if rc == 0 and tau else f"FAILED (exit {rc})",
-        "restriction": " ".join(f"{k}={v}" for k, v in AVX2.items()) if args.avx2 else "none",
-        "cpu": cpu_model(), "flags": sorted(f for f in cpu_flags() if f in {"avx2", "fma", "avx512f", "avx512_bf16",
-                                                                          "amx_bf16", "amx_tile"}),
+        "cpu": cpu_description(),
         "load_avg_1_5_15_after": [round(x, 2) for x in os.getloadavg()],
         "exit": rc, "total_s": round(total, 1), "expected_minutes_printed": int(expected.group(1)) if expected else None,
         "stage_ends_s": {k: round(v, 1) for k, v in marks.items()}, "stage_s": stages,

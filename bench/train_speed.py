@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import ROOT, table, write_result
+from common import ROOT, cpu_description, table, write_result
 
 ROUNDS = int(os.environ.get("BENCH_TRAIN_ROUNDS", "3"))
 SEQUENCES = int(os.environ.get("BENCH_TRAIN_SEQUENCES", "8"))
@@ -139,16 +139,6 @@ def profile_shares(run_step, phases: tuple[str, ...]) -> dict[str, float]:
     shares["other"] = max(0.0, 1.0 - sum(shares.values()))
     return shares
 
-
-def cpu_description() -> dict:
-    """The CPU's model, its matrix-relevant flags, the kernel restriction in force and torch's view of it."""
-    from shared.machine import cpu_flags, cpu_model
-
-    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "amx_int8")
-    restriction = {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
-                   if k in os.environ}
-    return {"model": cpu_model(), "cores": os.cpu_count(), "flags": cpu_flags(wanted),
-            "restriction": restriction, "torch_cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
 
 if __name__ == "__main__":
