@@ -625,7 +625,8 @@ class Bus:
                                        timeout=0.25 if callable(max_inflight) else None)
                     continue
                 try:
-                    msgs = await retry_async(f"fetch from {spec.durable}", partial(_fetch, sub, min(free, fetch_batch)),
+                    msgs = await retry_async(f"fetch from {spec.durable}",
+                                             partial(self._fetch_or_recreate, spec, sub, min(free, fetch_batch)),
                                              deadline_s=None, stop_event=stop)
                 except Exception as e:
                     if classify(e) is Failure.TRANSIENT and stop.is_set():
@@ -656,6 +657,26 @@ class Bus:
                 message=f"{self.name} stopped taking {spec.stage} work: {stats.halted}"))
             raise Halt(stats.halted)
         return stats
+
+    async def _fetch_or_recreate(self, spec: ConsumerSpec, sub: Any, n: int) -> list[Msg]:
+        """One fetch. A fetch from a consumer that no longer exists meets "no responders", which also means a
+        server between leaders: only the server's own "not found" tells them apart, and then the consumer is
+        put back (someone deleted it under a running worker: an operator resetting a stage, a bench
+        forgetting a run's training) so the worker goes on instead of retrying forever. Creating an existing
+        consumer with its own config changes nothing, so a wrong "not found" costs nothing."""
+        try:
+            return await _fetch(sub, n)
+        except nats.js.errors.ServiceUnavailableError:
+            try:
+                await self.js.consumer_info(spec.stream, spec.durable)
+            except nats.js.errors.NotFoundError:
+                log.warning("consumer %s on %s is gone (deleted under this worker): recreating it", spec.durable,
+                            spec.stream)
+                await self.ensure_consumer(spec)
+                return []
+            except Exception:  # the server is away: the fetch's own failure is the one to retry
+                pass
+            raise
 
     async def _handle_one(
         self, spec: ConsumerSpec, handle: Callable[[Delivery], Awaitable[None]], msg: Msg, run: str,

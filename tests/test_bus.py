@@ -282,3 +282,32 @@ async def test_a_worker_whose_bucket_is_gone_puts_its_message_back_and_halts_wit
 
     await run_worker(bus, spec, cfg.run, record, until=lambda s: s.acked == 2)
     assert sorted(seen) == [("a", 2), ("b", 1)]
+
+
+async def test_a_worker_whose_consumer_was_deleted_recreates_it_and_goes_on(cfg, bus):
+    """Someone deletes a stage's durable consumer under a running worker (an operator resetting a stage, a
+    bench forgetting a run's training): the worker puts it back and keeps taking work. Before, every fetch
+    met "no responders", a transient failure, retried forever: the worker hung and ignored SIGTERM's grace."""
+    spec = consumer_for("generate", cfg.run)
+    seen: list[str] = []
+
+    async def handle(d):
+        seen.append(d.data.prompt_id)
+
+    stop = asyncio.Event()
+    stats = WorkStats()
+    worker = asyncio.create_task(bus.work(spec, handle, run=cfg.run, stop=stop, message_type=PromptTask, stats=stats))
+    try:
+        async with asyncio.timeout(60):
+            await bus.publish(Subjects.prompts(cfg.run), task(cfg.run, "a"), msg_id=f"{cfg.run}:a")
+            while stats.acked < 1:
+                await asyncio.sleep(0.05)
+            assert await bus.delete_consumer(spec.stream, spec.durable)
+            await bus.publish(Subjects.prompts(cfg.run), task(cfg.run, "b"), msg_id=f"{cfg.run}:b")
+            while stats.acked < 2:
+                await asyncio.sleep(0.05)
+    finally:
+        stop.set()
+        await asyncio.wait_for(worker, 30)
+    assert seen == ["a", "b"] and stats.dead_lettered == 0
+    assert await bus.consumer_state(spec.stream, spec.durable) is not None
