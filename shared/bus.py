@@ -67,6 +67,7 @@ from shared.topology import LEASES_BUCKET, Streams, Subjects, durable, stage_inp
 log = logging.getLogger("dflash.bus")
 
 MSG_ID = "Nats-Msg-Id"
+PUBLISH_ACK_WAIT_S = 10.0  # an async publish's ack later than this is taken as lost (JetStream acks in ms)
 T = TypeVar("T")
 
 # The server is down, restarting or electing: nats' errors for "not now" (shared.failures). Its timeouts are
@@ -299,16 +300,38 @@ class Bus:
     async def publish_many(
         self, items: list[tuple[str, Message, str | None]], *, window: int = 2000
     ) -> list[api.PubAck]:
-        """Async publishes with at most `window` unacknowledged; returns every PubAck in order."""
-        futures: list[asyncio.Future[api.PubAck]] = []
+        """Async publishes with at most `window` unacknowledged; returns every PubAck in order.
+
+        nats' async acks never time out by themselves: an ack lost with a server that died or is between
+        leaders would hang the caller. An item with no ack after PUBLISH_ACK_WAIT_S, or refused, is published
+        again with its message id under the failure policy; the server's duplicate window makes a second
+        publish of a stored message a duplicate, never a second copy (its ack then says `duplicate`). An
+        item without a message id is not published twice: its failure is raised."""
         acks: list[api.PubAck] = []
-        for subject, msg, msg_id in items:
-            headers = {MSG_ID: msg_id} if msg_id else None
-            futures.append(await self.js.publish_async(subject, encode(msg), headers=headers))
-            if len(futures) >= window:
-                acks.extend(await asyncio.gather(*futures))
-                futures = []
-        acks.extend(await asyncio.gather(*futures))
+        for start in range(0, len(items), window):
+            chunk = items[start:start + window]
+            futures: list[asyncio.Future[api.PubAck] | None] = []
+            for subject, msg, msg_id in chunk:
+                try:
+                    futures.append(await self.js.publish_async(
+                        subject, encode(msg), headers={MSG_ID: msg_id} if msg_id else None))
+                except Exception as e:
+                    if classify(e) is not Failure.TRANSIENT:
+                        raise
+                    futures.append(None)  # not sent: published again below
+            waiting = [f for f in futures if f is not None]
+            if waiting:
+                _, late = await asyncio.wait(waiting, timeout=PUBLISH_ACK_WAIT_S)
+                for f in late:
+                    f.cancel()  # frees nats' slot for it
+            for (subject, msg, msg_id), f in zip(chunk, futures, strict=True):
+                if f is not None and not f.cancelled() and f.exception() is None:
+                    acks.append(f.result())
+                    continue
+                error = f.exception() if f is not None and not f.cancelled() else None
+                if msg_id is None:
+                    raise error or TimeoutError(f"no ack for a publish to {subject}")
+                acks.append(await self._call(f"publish {msg_id}", partial(self.publish, subject, msg, msg_id)))
         return acks
 
     async def publish_raw(self, subject: str, payload: bytes, msg_id: str | None = None) -> api.PubAck:

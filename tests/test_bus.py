@@ -311,3 +311,37 @@ async def test_a_worker_whose_consumer_was_deleted_recreates_it_and_goes_on(cfg,
         await asyncio.wait_for(worker, 30)
     assert seen == ["a", "b"] and stats.dead_lettered == 0
     assert await bus.consumer_state(spec.stream, spec.durable) is not None
+
+
+@pytest.mark.stack  # kills and restarts its own nats-server
+async def test_publish_many_through_a_server_kill_stores_each_message_once(tmp_path):
+    """The feeder's bulk publish while its server is killed -9 and comes back: nats' async acks never time
+    out by themselves, so an ack lost with the server used to hang the feed (or a publish refused while
+    reconnecting ended it). Each item without an ack is published again with its message id: every prompt
+    is stored exactly once and publish_many returns one ack per item."""
+    import os
+    import signal
+
+    from shared.stack import EmbeddedStack, Ports
+    from tests.conftest import make_config
+
+    s = EmbeddedStack(tmp_path, Ports.free())
+    s.start()
+    try:
+        cfg = make_config(s)
+        n = 20_000
+        async with await Bus.connect(cfg.bus, "pytest-publish-kill", deadline_s=10) as bus:
+            await bus.ensure_streams()
+            items = [(Subjects.prompts(cfg.run), task(cfg.run, f"p{i}"), f"{cfg.run}:p{i}") for i in range(n)]
+            publishing = asyncio.create_task(bus.publish_many(items, window=500))
+            await asyncio.sleep(0.3)
+            assert not publishing.done(), "the publish ended before the kill: make it bigger"
+            os.kill(s.pids.pop("nats"), signal.SIGKILL)
+            await asyncio.sleep(1.0)
+            s.start_nats()
+            acks = await asyncio.wait_for(publishing, 120)
+            assert len(acks) == n
+            state = await bus.stream_state("PROMPTS")
+            assert state is not None and state.last_seq - state.first_seq + 1 == n
+    finally:
+        s.stop()
