@@ -15,10 +15,17 @@ facts from. Sources, as read (never copied) with the search tool:
 - SGLang python/sglang/srt/speculative/dflash_utils.py (`parse_dflash_draft_config`, @00731f0b) and
   python/sglang/srt/models/dflash.py (@003b23d7): `num_hidden_layers`, `num_target_layers` and `block_size`
   (dflash_config first, then top level), `dflash_config.target_layer_ids` (absent: its own layer rule,
-  sgl-project/sglang#37475), `mask_token_id`, `layer_types` (+ `sliding_window`), rope settings. SGLang's DFlash 2
-  model (`DFlash2DraftModel` in models/dflash.py, sgl-project/sglang#35371) was not in the indexed source: its
-  parser is not checked here; the keys it shares with vLLM and the reference are written with the values under
-  which both compute what was trained.
+  sgl-project/sglang#37475), `mask_token_id`, `layer_types` (+ `sliding_window`), rope settings.
+- SGLang's DFlash 2 (`DFlash2DraftModel` in models/dflash.py, sgl-project/sglang#35371, merged 2026-08-19, in
+  0.5.19): the same parser (@00731f0b already holds its fields) reads from `dflash_config` only
+  `conv_kernel_size` and `conv_group_size` (both set or both 0; the group divides hidden_size),
+  `selector_rank` and `selector_top_k` (DFlash2DraftModel refuses 0), `output_multiplier` (> 0; applied to
+  the target head's top-K logits only when != 1.0) and `final_logit_softcapping` (`v or 0.0`, a cap only when
+  > 0, as vLLM). It does not read `input_embedding_scale` (its block-embedding scale comes from a target-model
+  hook no model defines: 1.0, which is what we write and train) nor `draft_vocab_size`; it uses the target's
+  LM head, and taps `target_layer_ids` as layer outputs (it captures the input of layer id + 1), as the
+  trainer does. Read in the search index's post-merge copies of models/dflash.py (the exact v0.5.19 tag was
+  not readable here), 2026-12-07.
 """
 
 from __future__ import annotations
@@ -78,13 +85,13 @@ _COMMON_KEYS: list[tuple[str, str]] = [
     ("dflash_config.mask_token_id", "SGLang, vLLM, reference"),
 ]
 _DFLASH2_KEYS: list[tuple[str, str]] = [
-    ("dflash_config.conv_kernel_size", "vLLM, reference"),
-    ("dflash_config.conv_group_size", "vLLM, reference"),
-    ("dflash_config.selector_rank", "vLLM, reference"),
-    ("dflash_config.selector_top_k", "vLLM, reference"),
-    ("dflash_config.output_multiplier", "vLLM, reference: logits × this before top-K"),
-    ("dflash_config.final_logit_softcapping", "vLLM, reference: tanh soft cap when > 0"),
-    ("dflash_config.input_embedding_scale", "vLLM, reference: block embedding × this"),
+    ("dflash_config.conv_kernel_size", "SGLang, vLLM, reference"),
+    ("dflash_config.conv_group_size", "SGLang, vLLM, reference"),
+    ("dflash_config.selector_rank", "SGLang, vLLM, reference"),
+    ("dflash_config.selector_top_k", "SGLang, vLLM, reference"),
+    ("dflash_config.output_multiplier", "SGLang, vLLM, reference: top-K logits × this"),
+    ("dflash_config.final_logit_softcapping", "SGLang, vLLM, reference: tanh soft cap when > 0"),
+    ("dflash_config.input_embedding_scale", "vLLM, reference: block embedding × this (SGLang: always 1.0)"),
 ]
 
 
