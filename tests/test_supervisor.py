@@ -111,3 +111,63 @@ async def test_a_busy_exit_is_retried_not_counted_as_a_crash(tmp_path):
     assert await asyncio.wait_for(sup.wait("trainer"), 60) == "done"
     await sup.stop()
     assert sup.services["trainer"].starts == 5 and not sup.services["trainer"].crashes
+
+
+async def test_what_a_killed_parent_started_stops_with_it(tmp_path):
+    """`dfpipe run` (or a generator with its launched engine) killed -9 runs no cleanup: its services, each in
+    a session of its own, used to live on (a trainer training for nobody, an engine holding the GPU and its
+    port). Both ways children are started, the supervisor's and a plain Popen as the sglang backend
+    launches its server, now get SIGTERM from the kernel when their parent dies."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    pids = tmp_path / "pids"
+    sleeper = [sys.executable, "-c", "import time; time.sleep(120)"]
+    parent = (
+        "import asyncio, subprocess, sys\n"
+        "from pathlib import Path\n"
+        "from services.pipeline.supervisor import ServiceSpec, Supervisor\n"
+        "from shared.children import dies_with_parent\n"
+        "async def main():\n"
+        f"    sup = Supervisor([ServiceSpec('svc', {sleeper!r})], Path({str(tmp_path)!r}))\n"
+        "    sup.start()\n"
+        "    while sup.services['svc'].pid is None:\n"
+        "        await asyncio.sleep(0.05)\n"
+        f"    engine = subprocess.Popen({sleeper!r}, start_new_session=True, preexec_fn=dies_with_parent())\n"
+        "    svc = sup.services['svc']\n"
+        f"    Path({str(pids)!r}).write_text(f'{{svc.pid}} {{engine.pid}}')\n"
+        "    await asyncio.sleep(120)\n"
+        "asyncio.run(main())\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", parent], cwd=os.getcwd())
+    try:
+        deadline = time.monotonic() + 30
+        while not pids.exists() or not pids.read_text():
+            assert time.monotonic() < deadline and proc.poll() is None, "the parent did not start its children"
+            time.sleep(0.1)
+        children = [int(p) for p in pids.read_text().split()]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + 10
+        alive = children
+        while alive and time.monotonic() < deadline:
+            time.sleep(0.1)
+            alive = [p for p in children if _alive(p)]
+        assert alive == [], f"still running after their parent's kill -9: {alive}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in map(int, pids.read_text().split() if pids.exists() else []):
+            if _alive(pid):  # the test failed: its orphans go
+                os.kill(pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting for its reaper counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -27,6 +27,7 @@ from typing import TypeVar
 import msgspec
 
 from shared.bus import Bus
+from shared.children import dies_with_parent
 from shared.config import Config, data_dir
 from shared.exits import Exit
 from shared.failures import Failure, classify, describe, retry_async
@@ -340,8 +341,9 @@ async def _run_pipeline(cfg: Config, request: RunRequest, *, env: dict[str, str]
             return outcome
         report = None
         if request.train:
+            # its own session: a terminal's Ctrl-C is ours to relay; it dies with us, even by kill -9
             proc = await asyncio.create_subprocess_exec(*cli_argv("eval", "--run", cfg.run), env={**os.environ, **env},
-                                                        start_new_session=True)  # a terminal's Ctrl-C is ours to relay
+                                                        start_new_session=True, preexec_fn=dies_with_parent())
             children.append(lambda: kill_group(proc.pid))
             if await until_signal(proc.wait(), signals.requested) is None:  # an eval is redone whole: nothing to drain
                 kill_group(proc.pid)

@@ -30,6 +30,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shared.children import dies_with_parent
 from shared.exits import Exit
 from shared.failures import backoff_s
 
@@ -90,7 +91,7 @@ class Supervisor:
         try:
             proc = await asyncio.create_subprocess_exec(
                 *st.spec.argv, stdout=logf, stderr=asyncio.subprocess.STDOUT, stdin=asyncio.subprocess.DEVNULL,
-                env={**os.environ, **st.spec.env}, start_new_session=True,
+                env={**os.environ, **st.spec.env}, start_new_session=True, preexec_fn=dies_with_parent(),
             )
         finally:
             logf.close()

@@ -28,6 +28,7 @@ import uuid
 from typing import Any
 from urllib.parse import urlparse
 
+from shared.children import dies_with_parent
 from shared.config import Config
 from shared.gpus import GpuGroup
 from shared.service import startup_thread
@@ -114,7 +115,7 @@ class SGLangBackend:
             env = self.launch_env(dict(os.environ))
             cmd = self.launch_command()
             log.info("launching %s (CUDA_VISIBLE_DEVICES=%s)", " ".join(cmd), env.get("CUDA_VISIBLE_DEVICES", ""))
-            self.proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+            self.proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=dies_with_parent())
         ready_s = self.cfg.generator.engine_ready_s or (1800.0 if self.proc else 120.0)
         await self.client.wait_ready("/health_generate", deadline_s=ready_s)
         if self.rid_prefix:  # a killed earlier process of this worker may have left requests decoding
