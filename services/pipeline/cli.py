@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import os
 import sys
+import time
 from typing import Any
 
 from services.generator.backends import backend_kinds, check_kind
@@ -77,6 +78,7 @@ def _say_placement(cfg: Any, groups: list[Any], args: argparse.Namespace) -> Non
 
 
 def _run(args: argparse.Namespace) -> int:
+    started_at = time.monotonic()  # trainer.run_budget_s counts the whole command: stack start included
     import msgspec
 
     from services.feeder.sources import SourceError, check_source
@@ -124,7 +126,7 @@ def _run(args: argparse.Namespace) -> int:
     prompts = args.prompts or [str(BUNDLED_PROMPTS)]
     request = RunRequest(prompts=[p if p.startswith("s3://") else os.path.abspath(p) for p in prompts],
                          generators=generators, backend=args.backend, train=not args.no_train,
-                         dashboard=not args.no_dashboard)
+                         dashboard=not args.no_dashboard, started_at=started_at)
     _say_expected(cfg, request)
     return asyncio.run(run_pipeline(cfg, request, env=env, show=not args.plain))
 
