@@ -17,6 +17,7 @@ from services.feeder.feed import Feeder
 from services.generator.service import run_generator
 from shared.bus import Bus
 from shared.config import Config
+from shared.exits import Exit
 from shared.failures import Failure, classify
 from shared.messages import ShardWritten
 from shared.records import dedupe_completions, read_completions
@@ -378,3 +379,50 @@ async def test_every_worker_of_a_run_can_hold_a_full_shard_of_prompts_at_once(st
     assert held == {"w0": per_worker, "w1": per_worker}
     info = await bus.js.consumer_info(spec.stream, spec.durable)
     assert info.num_ack_pending == 0 and info.num_pending == 0
+
+
+async def test_a_lost_or_altered_shard_is_generated_again_from_the_runs_own_sources(stack, stack_env, bus, store, tmp_path):
+    """A completions shard lost after its prompts were acked (its object deleted, or truncated: the tokenizer
+    dead-letters it) used to be unrecoverable: `replay generate --shard` needed the shard's own records. Its
+    ShardWritten event's prompt ids are found again in the run's sources (the manifest's), queued as a new
+    generation, regenerated, and every reader then has each prompt once; a second replay queues nothing."""
+    from tests.test_boundaries import cli
+
+    cfg = make_config(stack, generator={"backend": "synthetic", "shard_records": 4, "shard_seconds": 2.0,
+                                        "max_inflight": 4, "progress_every_s": 1.0})
+    ids = await fed_ids(cfg, bus, store, prompts_file(tmp_path, 12, "lost"))
+
+    async def generate_until(done) -> None:
+        stop = asyncio.Event()
+        worker = asyncio.create_task(run_generator(cfg, "w0", stop=stop))
+        try:
+            await wait_for(done, 120, "the generation")
+        finally:
+            stop.set()
+            await asyncio.wait_for(worker, 60)
+
+    await generate_until(lambda: completed_ids_eq(bus, cfg.run, ids))
+    events = await shard_events(bus, cfg.run)
+    deleted, altered = events[0], events[1]
+    store.delete(deleted.key)
+    store.put_bytes(altered.key, store.get_bytes(altered.key)[:-64])
+    for ev, why in ((deleted, "no object"), (altered, "sha256 differs")):
+        r = cli(stack_env, "replay", "generate", "--run", cfg.run, "--shard", ev.key)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert why in r.stdout and "found again in" in r.stdout and str(tmp_path / "promptslost.jsonl") in r.stdout
+        assert f"re-published {ev.num_records} prompt(s) of {ev.key} as generation 1 (0 already queued)" in r.stdout
+    again = cli(stack_env, "replay", "generate", "--run", cfg.run, "--shard", deleted.key)
+    assert f"re-published 0 prompt(s) of {deleted.key} as generation 1 ({deleted.num_records} already" in again.stdout
+    stranger = cli(stack_env, "replay", "generate", "--run", cfg.run, "--shard", f"runs/{cfg.run}/completions/x/9.parquet")
+    assert stranger.returncode == Exit.USAGE and "announced no completions shard" in stranger.stderr
+
+    async def regenerated() -> bool:
+        return len(await shard_events(bus, cfg.run)) > len(events) and \
+            sum(e.num_records for e in (await shard_events(bus, cfg.run))[len(events):]) == 8
+
+    await generate_until(regenerated)
+    readable = [e for e in await shard_events(bus, cfg.run) if e.key not in (deleted.key, altered.key)]
+    best = dedupe_completions(load_shards(store, readable))
+    assert set(best) == ids
+    lost_ids = set(deleted.prompt_ids) | set(altered.prompt_ids)
+    assert {pid for pid, r in best.items() if r.generation == 1} == lost_ids

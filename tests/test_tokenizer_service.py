@@ -485,6 +485,8 @@ async def test_corrupt_shards_are_dead_lettered_with_reasons_while_the_others_ar
     assert "is corrupt: sha256" in by_key[bad_checksum.key].error
     assert "differs from its ShardWritten event" in by_key[mismatch.key].error
     assert "does not exist" in by_key[missing.key].error
+    for key, letter in by_key.items():  # each says how its prompts are generated again
+        assert f"`dfpipe replay generate --run {run} --shard {key}`" in letter.error, letter.error
     info = await bus.js.consumer_info("SHARDS", f"tokenize-{run}")
     assert info.num_pending == info.num_ack_pending == 0  # every shard got an outcome
 

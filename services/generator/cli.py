@@ -66,10 +66,10 @@ def _generate(args: argparse.Namespace) -> int:
 async def _replay(args: argparse.Namespace) -> int:
     from shared.bus import Bus
     from shared.cli import load
-    from shared.messages import PromptTask
-    from shared.records import read_completions
-    from shared.store import KeyNotFound, Store
+    from shared.store import Store
     from shared.topology import Subjects
+
+    from .requeue import NotAShard, requeue_shard
 
     cfg = load(args)
     async with await Bus.connect(cfg.bus, "replay", deadline_s=30) as bus:
@@ -83,19 +83,21 @@ async def _replay(args: argparse.Namespace) -> int:
             return Exit.OK
         store = await asyncio.to_thread(Store.open, cfg)
         try:
-            records = read_completions(await asyncio.to_thread(store.get_bytes, args.shard))
-        except KeyNotFound:
-            print(f"dfpipe replay generate: no shard {args.shard!r} in bucket {store.bucket!r}", file=sys.stderr)
+            rq = await requeue_shard(cfg, bus, store, args.shard, args.prompts)
+        except (NotAShard, ValueError) as e:  # includes a named source that cannot be read (SourceError)
+            print(f"dfpipe replay generate: {e}", file=sys.stderr)
             return Exit.USAGE
-        generation = 1 + max((r.generation for r in records), default=0)
-        tasks = [PromptTask(run=cfg.run, prompt_id=r.prompt_id, messages=r.messages, source=args.shard,
-                            generation=generation) for r in records]
-        acks = await bus.publish_many(
-            [(Subjects.prompts(cfg.run), t, f"regen:{args.shard}:{generation}:{t.prompt_id}") for t in tasks]
-        )
+        acks = await bus.publish_many([(Subjects.prompts(cfg.run), t, rq.msg_id(t)) for t in rq.tasks])
         fresh = sum(not a.duplicate for a in acks)
-        print(f"re-published {fresh} prompt(s) of {args.shard} as generation {generation} "
+        if rq.lost:
+            print(f"{rq.key}: {rq.lost}; its prompts were found again in {', '.join(rq.sources)}")
+        print(f"re-published {fresh} prompt(s) of {rq.key} as generation {rq.generation} "
               f"({len(acks) - fresh} already queued); the new completions replace these on read")
+        if rq.missing:
+            shown = ", ".join(rq.missing[:5]) + (" ..." if len(rq.missing) > 5 else "")
+            print(f"dfpipe replay generate: {len(rq.missing)} prompt(s) of {rq.key} are in none of the sources "
+                  f"({shown}): name the files they came from with --prompts", file=sys.stderr)
+            return Exit.FAILED
     return Exit.OK
 
 
@@ -195,4 +197,6 @@ def register(sub: Any, replay: Any) -> None:
     what = r.add_mutually_exclusive_group(required=True)
     what.add_argument("--failed", action="store_true")
     what.add_argument("--shard", metavar="KEY", help="completions shard key, e.g. runs/R/completions/w0/00000003.parquet")
+    r.add_argument("--prompts", nargs="+", default=None, metavar="SOURCE",
+                   help="with --shard: where a lost shard's prompts are found again (default: the run's own sources)")
     r.set_defaults(func=lambda args: asyncio.run(_replay(args)))

@@ -59,6 +59,8 @@ from .pool import BuildPool, default_processes
 from .samples import SampleBuilder, ShardSamples
 
 log = logging.getLogger("dflash.tokenizer")
+# What a dead letter of a lost or damaged completions shard tells its reader to do (services/generator/requeue.py).
+_REGENERATE = "; `dfpipe replay generate --run {run} --shard {key}` generates its prompts again"
 
 
 def shard_name(completions_key: str) -> str:
@@ -199,7 +201,7 @@ class TokenizerService:
         try:
             records = await asyncio.to_thread(read_completions, data)
         except RecordError as e:
-            raise Poison(f"completions shard {ev.key} is unreadable: {e}") from None
+            raise Poison(f"completions shard {ev.key} is unreadable: {e}{_REGENERATE.format(run=self.run, key=ev.key)}") from None
         if previous is not None:
             await asyncio.shield(previous)  # downloads overlap; the rest waits for the earlier delivery
         async with self._lock:  # one shard at a time through build -> gate -> write, in delivery order
@@ -240,11 +242,12 @@ class TokenizerService:
         try:
             data = await asyncio.to_thread(self.store.get_bytes, ev.key)
         except (ChecksumMismatch, KeyNotFound) as e:
-            raise Poison(f"completions shard {ev.key}: {e}") from None
+            raise Poison(f"completions shard {ev.key}: {e}{_REGENERATE.format(run=self.run, key=ev.key)}") from None
         except StoreUnavailable as e:
             raise Retry(str(e)) from None
         if ev.sha256 and sha256_bytes(data) != ev.sha256:
-            raise Poison(f"completions shard {ev.key} differs from its ShardWritten event (sha256 mismatch)")
+            raise Poison(f"completions shard {ev.key} differs from its ShardWritten event (sha256 mismatch)"
+                         + _REGENERATE.format(run=self.run, key=ev.key))
         return data
 
     async def _republish(self, ev: ShardWritten, key: str) -> TokenizedShard:
