@@ -33,6 +33,7 @@ from typing import Any
 import msgspec
 
 from shared.config import Config
+from shared.messages import ChatMessage
 
 from .reasons import Reason
 
@@ -517,3 +518,20 @@ def read_records(path: Path, fmt: str | None = None, max_record_bytes: int = DEF
     if fmt != "parquet":
         check_encoding(path)  # before format detection: a UTF-16 file has no recognisable first byte
     return READERS[fmt or detect_format(path)](path, max_record_bytes)
+
+
+def accepted_prompts(sources: list[str], cfg: Config) -> Iterator[tuple[str, int, list[ChatMessage]]]:
+    """(source, line, normalized messages) of every record of `sources` the feeder would accept, one at a time;
+    blank lines and rejects are skipped (reporting them is the feeder's). For readers that need the prompts
+    again without feeding them: calibration's sample, a lost shard's prompts found again."""
+    from .normalize import RejectedRecord, normalize
+
+    for source in sources:
+        with local_copy(source, cfg) as path:
+            for raw in read_records(path, max_record_bytes=cfg.feeder.max_record_bytes):
+                if raw.error or raw.blank:
+                    continue
+                try:
+                    yield source, raw.line, normalize(raw.value)
+                except RejectedRecord:
+                    continue

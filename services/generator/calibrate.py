@@ -174,26 +174,17 @@ async def calibrate_engine(backend: Backend, name: str, prompts: list[list[ChatM
 def sample_prompts(sources: list[str], cfg: Config, size: int, seed: int = 0) -> tuple[list[list[ChatMessage]], int]:
     """A uniform sample (reservoir, seeded) of the records the feeder would accept from `sources`, and how many
     such records there are (the job's size, for its ETA)."""
-    from services.feeder.normalize import RejectedRecord, normalize
-    from services.feeder.sources import local_copy, read_records
+    from services.feeder.sources import accepted_prompts
 
     rng = random.Random(seed)
     sample: list[list[ChatMessage]] = []
     seen = 0
-    for source in sources:
-        with local_copy(source, cfg) as path:
-            for raw in read_records(path):
-                if raw.error or raw.blank:
-                    continue
-                try:
-                    messages = normalize(raw.value)
-                except RejectedRecord:
-                    continue
-                seen += 1
-                if len(sample) < size:
-                    sample.append(messages)
-                elif (j := rng.randrange(seen)) < size:
-                    sample[j] = messages
+    for _, _, messages in accepted_prompts(sources, cfg):
+        seen += 1
+        if len(sample) < size:
+            sample.append(messages)
+        elif (j := rng.randrange(seen)) < size:
+            sample[j] = messages
     if not sample:
         raise ValueError(f"no usable prompt in {', '.join(sources)}")
     return sample, seen

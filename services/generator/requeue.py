@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from services.feeder.normalize import RejectedRecord, normalize, prompt_id
-from services.feeder.sources import local_copy, read_records
+from services.feeder.normalize import prompt_id
+from services.feeder.sources import accepted_prompts
 from shared.bus import Bus
 from shared.config import Config
 from shared.messages import PromptTask, ShardWritten
@@ -79,21 +79,13 @@ def find_prompts(cfg: Config, sources: list[str], wanted: set[str], generation: 
     """The prompts of `wanted` found in `sources` (each once, as the feeder made them, as `generation`) and the
     ids none holds."""
     found: dict[str, PromptTask] = {}
-    for source in sources:
-        with local_copy(source, cfg) as path:
-            for raw in read_records(path, max_record_bytes=cfg.feeder.max_record_bytes):
-                if raw.blank or raw.error:
-                    continue
-                try:
-                    messages = normalize(raw.value)
-                except RejectedRecord:
-                    continue
-                pid = prompt_id(messages)
-                if pid in wanted and pid not in found:
-                    found[pid] = PromptTask(run=cfg.run, prompt_id=pid, messages=messages, source=source, line=raw.line,
-                                            generation=generation)
-                    if len(found) == len(wanted):
-                        return list(found.values()), []
+    for source, line, messages in accepted_prompts(sources, cfg):
+        pid = prompt_id(messages)
+        if pid in wanted and pid not in found:
+            found[pid] = PromptTask(run=cfg.run, prompt_id=pid, messages=messages, source=source, line=line,
+                                    generation=generation)
+            if len(found) == len(wanted):
+                break
     return list(found.values()), sorted(wanted - found.keys())
 
 
