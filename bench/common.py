@@ -27,7 +27,8 @@ NATS_SYNC = os.environ.get("BENCH_NATS_SYNC", "always")  # the embedded default;
 @contextlib.contextmanager
 def bench_stack(keep: Path | None = None, nats_sync: str = NATS_SYNC) -> Iterator[EmbeddedStack]:
     """An embedded stack in a temporary folder, or in `keep` (made if missing, left in place) so that
-    a later call picks up its streams and objects (with the same credentials, kept there 0600).
+    a later call picks up its streams and objects (with the same credentials, kept there 0600); a stack
+    already running in `keep` is used and left running.
     Its JetStream fsync is `nats_sync` (BENCH_NATS_SYNC): "always" as `dfpipe stack up` starts it."""
     creds = {"AWS_ACCESS_KEY_ID": "bench" + secrets.token_hex(4), "AWS_SECRET_ACCESS_KEY": secrets.token_urlsafe(24)}
     if keep is not None:
@@ -41,6 +42,10 @@ def bench_stack(keep: Path | None = None, nats_sync: str = NATS_SYNC) -> Iterato
         os.environ.update(creds)
     for k, v in creds.items():
         os.environ.setdefault(k, v)
+    running = EmbeddedStack.load(keep) if keep is not None else None
+    if running is not None and all(c["alive"] for c in running.status().values()):
+        yield running  # another bench's stack, still up: used as it is and left to it
+        return
     with tempfile.TemporaryDirectory(prefix="dflash-bench-") as tmp:
         root = keep or Path(tmp)
         stack = EmbeddedStack(root, Ports.free(), nats_sync=nats_sync)
