@@ -217,6 +217,11 @@ def test_controller_rules() -> None:
     for _ in range(10):
         rt.add(latency_s=20.0, tokens=1000)
     assert rt.seconds == pytest.approx(3 * 4096 * 0.02)
+    for _ in range(300):  # short answers that queued say nothing of the token rate (before: 3 × 4096 × 60 s)
+        rt.add(latency_s=60.0, tokens=1)
+    assert rt.seconds == pytest.approx(3 * 4096 * 0.02)
+    rt.add(latency_s=4000.0, tokens=100)  # a slow engine: long, but bounded
+    assert rt.seconds == rt.ceiling_s == 6 * 3600.0
 
 
 async def test_fill_bench_ends_when_a_prompt_is_dead_lettered(stack, target_dir):

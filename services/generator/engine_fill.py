@@ -170,16 +170,22 @@ class RequestTimeout:
     A request this generator sends waits behind at most one batch (the level keeps the engine's queue a
     fraction of its batch), then decodes max_new_tokens steps: so ≤ 2 × max_new_tokens × the time one token
     takes a request. That per-token time is measured from completed requests (latency ÷ tokens, queueing
-    included, the slowest of the last 256), and the timeout is 3 × max_new_tokens × it, never below `floor_s`.
-    Until something completes, `initial_s` applies."""
+    included, the slowest of the last 256), and the timeout is 3 × max_new_tokens × it, between `floor_s` and
+    `ceiling_s`. Only completions of at least `min_tokens` count: a 3-token answer that queued for a minute
+    says how long the queue was, not how fast tokens come, and divided by 3 it made the timeout days long (a
+    hung request then held its slot for that long). Until enough have completed, `initial_s` applies."""
 
-    def __init__(self, max_new_tokens: int, *, initial_s: float = 1800.0, floor_s: float = 120.0) -> None:
+    def __init__(self, max_new_tokens: int, *, initial_s: float = 1800.0, floor_s: float = 120.0,
+                 ceiling_s: float = 6 * 3600.0) -> None:
         self.max_new_tokens = max_new_tokens
-        self.initial_s, self.floor_s = initial_s, floor_s
+        self.initial_s, self.floor_s, self.ceiling_s = initial_s, floor_s, ceiling_s
+        self.min_tokens = max(1, min(32, max_new_tokens // 4))
         self.per_token: list[float] = []
 
     def add(self, latency_s: float, tokens: int) -> None:
-        self.per_token.append(latency_s / max(1, tokens))
+        if tokens < self.min_tokens:
+            return
+        self.per_token.append(latency_s / tokens)
         if len(self.per_token) > 256:
             del self.per_token[:128]
 
@@ -187,4 +193,4 @@ class RequestTimeout:
     def seconds(self) -> float:
         if len(self.per_token) < 8:
             return self.initial_s
-        return max(self.floor_s, 3 * self.max_new_tokens * max(self.per_token))
+        return min(self.ceiling_s, max(self.floor_s, 3 * self.max_new_tokens * max(self.per_token)))
