@@ -877,32 +877,45 @@ class Lease:
 
     @classmethod
     async def acquire(cls, bus: Bus, key: str, ttl_s: float, owner: str) -> Lease:
-        """Take the lease or raise LeaseHeld naming its holder. Renewal starts at once."""
+        """Take the lease or raise LeaseHeld naming its holder. Renewal starts at once. The server's calls are
+        under the failure policy (a trainer starting while its cluster elects a leader waits, it does not crash);
+        a create whose ack was lost and that is tried again finds its own entry, and takes it."""
         ttl = max(1, round(ttl_s))  # the server's message TTLs are whole seconds
-        kv = await cls._bucket(bus)
+        kv = await bus._call("open the leases bucket", lambda: cls._bucket(bus))
         me = LeaseHolder(owner=owner, host=socket.gethostname(), pid=os.getpid(), since=time.time())
-        try:
-            revision = await kv.create(key, msgspec.json.encode(me), msg_ttl=ttl)
-        except nats.js.errors.KeyWrongLastSequenceError:
-            holder, entry = None, None
+
+        async def read() -> tuple[Any, LeaseHolder | None]:
             with contextlib.suppress(nats.js.errors.KeyNotFoundError, msgspec.DecodeError):  # lapsed meanwhile
                 entry = await kv.get(key)
-                holder = msgspec.json.decode(entry.value or b"", type=LeaseHolder)
-            if entry is None or holder is None or not holder.dead_here():
+                return entry, msgspec.json.decode(entry.value or b"", type=LeaseHolder)
+            return None, None
+
+        try:
+            revision = await bus._call(f"take lease {key}", lambda: kv.create(key, msgspec.json.encode(me), msg_ttl=ttl))
+        except nats.js.errors.KeyWrongLastSequenceError:
+            entry, holder = await bus._call(f"read lease {key}", read)
+            if entry is not None and holder == me:  # our own create, stored before its ack was lost
+                revision = entry.revision
+            elif entry is None or holder is None or not holder.dead_here():
                 raise LeaseHeld(key, holder) from None
-            # its holder was this host's process and is gone (a kill -9 restarted at once): no need to wait out
-            # the TTL. Taken only if the entry is still the dead holder's revision.
-            try:
-                ack = await bus.js.publish(f"$KV.{LEASES_BUCKET}.{key}", msgspec.json.encode(me), msg_ttl=ttl,
-                                           headers={"Nats-Expected-Last-Subject-Sequence": str(entry.revision)})
-            except nats.js.errors.APIError:
-                raise LeaseHeld(key, holder) from None
-            revision = ack.seq
-            log.warning("lease %s: its holder %s is gone; taken over", key, holder.describe())
+            else:
+                revision = await cls._take_from_dead(bus, key, me, ttl, entry, holder)
         lease = cls(bus, key, ttl, me, revision)
         lease._task = asyncio.create_task(lease._renew())
         log.info("lease %s acquired (ttl %ds)", key, ttl)
         return lease
+
+    @staticmethod
+    async def _take_from_dead(bus: Bus, key: str, me: LeaseHolder, ttl: int, entry: Any, holder: LeaseHolder) -> int:
+        """Its holder was this host's process and is gone (a kill -9 restarted at once): no need to wait out the
+        TTL. Taken only if the entry is still the dead holder's revision."""
+        try:
+            ack = await bus.js.publish(f"$KV.{LEASES_BUCKET}.{key}", msgspec.json.encode(me), msg_ttl=ttl,
+                                       headers={"Nats-Expected-Last-Subject-Sequence": str(entry.revision)})
+        except nats.js.errors.APIError:
+            raise LeaseHeld(key, holder) from None
+        log.warning("lease %s: its holder %s is gone; taken over", key, holder.describe())
+        return ack.seq
 
     async def _renew(self) -> None:
         subject = f"$KV.{LEASES_BUCKET}.{self.key}"

@@ -345,3 +345,32 @@ async def test_a_dead_holder_on_this_host_is_taken_over_one_elsewhere_waits_out_
         taken = await Lease.acquire(bus, key, 2, "pytest")  # at once, not in 30 s
         assert time.monotonic() - started < 5 and taken.holder.pid == os.getpid()
         await taken.release()
+
+
+@pytest.mark.stack  # stops and starts its own nats-server
+async def test_a_lease_taken_while_the_server_restarts_waits_for_it(tmp_path) -> None:
+    """A trainer starting while NATS restarts (or its cluster elects a leader) used to crash on the lease's
+    first call and wait out a supervisor's backoff; the lease's calls are under the failure policy now: it
+    is taken once the server is back, and a second process is refused as before."""
+    from shared.stack import EmbeddedStack, Ports
+
+    s = EmbeddedStack(tmp_path, Ports.free())
+    s.start()
+    try:
+        cfg = make_config(s)
+        async with await Bus.connect(cfg.bus, "pytest-lease-restart", deadline_s=10) as bus:
+            await bus.ensure_streams()
+            s.stop_component("nats")
+            taking = asyncio.create_task(Lease.acquire(bus, lease_key(cfg.run, "trainer"), 5, "trainer"))
+            await asyncio.sleep(2.0)
+            assert not taking.done()  # waiting for the server, not failed
+            s.start_nats()
+            lease = await asyncio.wait_for(taking, 30)
+            try:
+                async with await Bus.connect(cfg.bus, "pytest-second", deadline_s=10) as other:
+                    with pytest.raises(LeaseHeld, match="trainer"):
+                        await Lease.acquire(other, lease_key(cfg.run, "trainer"), 5, "second")
+            finally:
+                await lease.release()
+    finally:
+        s.stop()
