@@ -431,9 +431,9 @@ EXPECTED_ON_A_SMALL_CPU = (
     "  (350 prompts, 80-token answers, a two-layer block-4 DFlash 2 drafter trained for what is left of a\n"
     "  19-minute run) ends near τ 1.5 on a 2-core AVX2 CPU (measured: τ 1.52 on 24 held-out prompts,\n"
     "  lossless, speedup 0.67x, 481 steps, 18.5 minutes in all; bench/results/demo.json). Longer training\n"
-    "  reaches τ 1.9-2.0: 4 epochs of 192-token answers (about 20 minutes of training with bf16 units) τ 1.9;\n"
-    "  1,500 prompts and 30 minutes τ 2.00 (bench/train_quality.py). The speedup stays below 1x (0.95x at\n"
-    "  τ 2.0): a 135M target on a CPU is compute-bound, so a drafter pass plus a block-wide verify cost about\n"
-    "  what the tokens they save would. Speculative decoding pays where the target is large and memory-bound\n"
-    "  (an 8B+ target on a GPU: the paper reports τ 6.49 and 4.86x for Qwen3-8B). τ carries over; the\n"
-    "  speedup is this machine's.")
+    "  reaches τ 1.9-2.1: 4 epochs of 192-token answers (about 20 minutes of training with bf16 units) τ 1.9;\n"
+    "  1,500 prompts and 30 minutes τ 2.15 (DFlash 2; DFlash 1.86; bench/train_quality.py). The speedup\n"
+    "  stays below 1x (0.89x at τ 2.15): a 135M target on a CPU is compute-bound, so a drafter pass plus a\n"
+    "  block-wide verify cost about what the tokens they save would. Speculative decoding pays where the\n"
+    "  target is large and memory-bound (an 8B+ target on a GPU: the paper reports τ 6.49 and 4.86x for\n"
+    "  Qwen3-8B). τ carries over; the speedup is this machine's.")
