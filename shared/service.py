@@ -104,18 +104,28 @@ async def serve(service: Service[W], cfg: Config, *, stop: asyncio.Event | None 
         stop = asyncio.Event()
         install_stop_signals(stop, report_after_s=service.stuck_report_after_s)
     worker: W | None = None
+    shut = False
+
+    async def shutdown() -> None:
+        nonlocal shut
+        if not shut and service.on_shutdown is not None:
+            shut = True
+            await service.on_shutdown(worker)
+
     try:
         store = await until_stopped(startup_thread(Store.open, cfg), stop)
         bus = await until_stopped(Bus.connect(cfg.bus, service.name, deadline_s=service.connect_deadline_s), stop)
         async with bus:
-            await until_stopped(bus.ensure_streams(), stop)
-            worker = await until_stopped(service.on_startup(Context(cfg, bus, store, stop)), stop)
-            await _run(service, worker, bus, stop)
+            try:
+                await until_stopped(bus.ensure_streams(), stop)
+                worker = await until_stopped(service.on_startup(Context(cfg, bus, store, stop)), stop)
+                await _run(service, worker, bus, stop)
+            finally:  # while the bus is still open, also after a stop during startup (a trainer releases its lease)
+                await shutdown()
     except StoppedDuringStartup:
         log.info("%s: stopped during startup", service.name)
     finally:
-        if service.on_shutdown is not None:
-            await service.on_shutdown(worker)
+        await shutdown()  # the bus never opened
     return worker
 
 

@@ -318,6 +318,39 @@ async def test_a_lease_renewed_too_late_is_taken_again_unless_another_process_to
         await other.release()
 
 
+async def test_a_trainer_stopped_while_it_loads_releases_its_lease(stack, target_dir, caplog) -> None:
+    """A stop during the trainer's startup (its model load, after it took the run's lease) releases the lease while
+    the bus is still open, so the next trainer starts at once. The release used to run after the service had
+    closed its bus: it failed, and another trainer (on another host, or beside a live holder's pid) waited out
+    the TTL (60 s here)."""
+    import logging
+
+    from services.trainer.loop import run_trainer
+
+    cfg = make_config(stack, trainer={"lease_ttl_s": 60})
+    key = lease_key(cfg.run, "trainer")
+    stop = asyncio.Event()
+    caplog.set_level(logging.INFO, logger="dflash")
+    async with await Bus.connect(cfg.bus, "pytest-lease", deadline_s=10) as bus:
+        trainer = asyncio.create_task(run_trainer(cfg, stop=stop))
+        kv = await Lease._bucket(bus)
+        deadline = time.monotonic() + 60
+        while True:  # the lease is taken just before the model load
+            with contextlib.suppress(Exception):
+                if await kv.get(key):
+                    break
+            assert time.monotonic() < deadline and not trainer.done(), "the trainer never took its lease"
+            await asyncio.sleep(0.02)
+        stop.set()
+        await asyncio.wait_for(trainer, 60)
+        assert "stopped during startup" in caplog.text, "the stop came after the startup: not the case under test"
+        assert "release failed" not in caplog.text, caplog.text
+        started = time.monotonic()
+        again = await Lease.acquire(bus, key, 60, "pytest")  # this process is alive: only a release frees it now
+        assert time.monotonic() - started < 5
+        await again.release()
+
+
 async def test_a_dead_holder_on_this_host_is_taken_over_one_elsewhere_waits_out_its_ttl(cfg) -> None:
     """A trainer restarted right after a kill -9 on the same host does not wait out the TTL (its holder's pid is
     gone); a holder on another host (its pid means nothing here) keeps the lease until its entry lapses."""
