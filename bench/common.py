@@ -107,3 +107,17 @@ def proc_numbers(pid: int) -> tuple[float, float] | None:
         return None
     hwm = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")), 0)
     return hwm / 1024, (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def keep_latest(cfg: Any, name: str) -> str:
+    """Copy the run's latest checkpoint to runs/<run>/kept/<name>/ (outside what a bench removes)."""
+    from shared.store import Store
+    from shared.topology import Keys
+
+    store = Store.open(cfg)
+    src = json.loads(store.get_bytes(Keys.checkpoint_latest(cfg.run)))["key"]
+    dst = f"{Keys.run(cfg.run)}kept/{name}/"
+    for key in store.list(src):
+        store.put_bytes(dst + key[len(src):], store.get_bytes(key))
+    store.put_bytes(dst + "SOURCE", src.encode())
+    return dst

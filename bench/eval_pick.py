@@ -9,7 +9,7 @@ figures before it: the difference the pick alone makes, on one checkpoint.
 
     python bench/eval_pick.py --dir /path/to/quality-stack --run q2 --checkpoints runs/q2/kept/dflash/ latest
     python bench/eval_pick.py --dir D --run R --keep dflash   # copy the latest checkpoint to runs/R/kept/dflash/
-                                                             # (bench/train_quality.py removes it before the next arch)
+                                       # (bench/train_quality.py now keeps each architecture's final one there itself)
 
 Greedy decoding is deterministic, so τ here does not depend on how busy the machine is (the speedup does:
 it is not reported). Writes bench/results/eval_pick.json.
@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-from common import ROOT, bench_config, bench_stack, table, write_result
+from common import ROOT, bench_config, bench_stack, keep_latest, table, write_result
 
 CONFIG = ROOT / "bench" / "quality.toml"
 
@@ -51,20 +51,6 @@ async def picks(cfg: Any) -> tuple[list[list[int]], list[list[int]]]:
         keys = await shard_keys_in_log_order(bus, cfg.run)
     old = await asyncio.to_thread(smallest_ids_pick, store, keys, cfg.trainer.holdout_mod, cfg.trainer.eval_prompts)
     return new, old
-
-
-def keep_latest(cfg: Any, name: str) -> str:
-    """Copy the run's latest checkpoint to runs/<run>/kept/<name>/ (outside what a bench removes)."""
-    from shared.store import Store
-    from shared.topology import Keys
-
-    store = Store.open(cfg)
-    src = json.loads(store.get_bytes(Keys.checkpoint_latest(cfg.run)))["key"]
-    dst = f"{Keys.run(cfg.run)}kept/{name}/"
-    for key in store.list(src):
-        store.put_bytes(dst + key[len(src):], store.get_bytes(key))
-    (store.put_bytes(dst + "SOURCE", src.encode()))
-    return dst
 
 
 def main() -> int:

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-from common import ROOT, bench_config, bench_stack, table, write_result
+from common import ROOT, bench_config, bench_stack, keep_latest, table, write_result
 from quality_prompts import quality_prompts
 
 CONFIG = ROOT / "bench" / "quality.toml"
@@ -200,6 +200,8 @@ def train_and_evaluate(cfg, env: dict, prompts_file: Path, arch: str, log: Path,
             env=env, stdout=out, stderr=subprocess.STDOUT)
     result["sampled_eval_s"] = round(time.monotonic() - t0, 1)
     result["sampled"] = eval_report(cfg)
+    # the next architecture removes this one's checkpoints: its final one stays for later looks (eval_pick.py)
+    result["kept"] = keep_latest(cfg, arch) if rc == 0 else None
     return result
 
 
