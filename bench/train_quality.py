@@ -201,7 +201,10 @@ def train_and_evaluate(cfg, env: dict, prompts_file: Path, arch: str, log: Path,
     result["sampled_eval_s"] = round(time.monotonic() - t0, 1)
     result["sampled"] = eval_report(cfg)
     # the next architecture removes this one's checkpoints: its final one stays for later looks (eval_pick.py)
-    result["kept"] = keep_latest(cfg, arch) if rc == 0 else None
+    try:
+        result["kept"] = keep_latest(cfg, arch)
+    except Exception as e:  # no checkpoint to keep: the figures above still stand
+        result["kept"] = f"not kept: {type(e).__name__}: {e}"
     return result
 
 
