@@ -21,6 +21,7 @@ from typing import Any
 
 import msgspec
 import numpy as np
+import pytest
 
 from services.generator.shards import shard_event
 from services.tokenizer.fingerprint import load_target_tokenizer
@@ -35,6 +36,7 @@ from shared.records import (
     ChatMessage,
     CompletionRecord,
     completions_to_parquet,
+    read_sample_generations,
     read_samples,
     read_samples_summary,
 )
@@ -356,6 +358,57 @@ async def test_a_deliberate_regeneration_replaces_the_old_sample(stack, bus, sto
     await burst(cfg, tok)
     event = next(e for e in await tokenized_events(bus, run) if e.source_key == shard.key)
     assert (event.num_samples, event.dropped) == (0, {"duplicate": 1})
+
+
+async def test_a_stored_shard_whose_announcement_failed_still_counts_for_dedupe(stack, bus, store):
+    """The cluster chaos run's duplicate: a NATS leader died between a tokenized shard's write and its event; the
+    next shard, holding a redelivered prompt of the first, emitted it again. Stored is emitted, announced or not."""
+    cfg = make_config(stack, tokenizer={"processes": 1})
+    run = cfg.run
+    tok = await asyncio.to_thread(load_target_tokenizer, cfg)
+    first = await write_shard(bus, store, run, "gen-0", 0, [topic_record(run, i) for i in range(3)])
+    second = await write_shard(bus, store, run, "gen-1", 0, [topic_record(run, 2), topic_record(run, 3)])
+    lost = await Bus.connect(cfg.bus, "pytest-lost", deadline_s=10)
+    await lost.close()  # a real connection, gone: its publish fails as one to a dead leader does
+    service = TokenizerService(cfg, lost, store, tok)
+    await service.prepare()
+    with pytest.raises(Exception):  # noqa: B017 - whichever error a closed connection raises
+        await service.process(first)
+    assert len(parquet_keys(store, run)) == 1  # written, not announced
+    service.bus = bus
+    event = await service.process(second)
+    assert (event.num_samples, event.dropped) == (1, {"duplicate": 1})
+    again = await service.process(first)  # the redelivery: announced from the stored shard, not rebuilt
+    assert again.num_samples == 3 and service.counts.skipped_shards == 1
+    rows = [r for k in parquet_keys(store, run) for r in read_sample_generations(store.get_bytes(k))]
+    assert sorted(rows) == [(f"p{i:05d}", 0) for i in range(4)]
+
+
+async def test_a_shard_stored_though_its_write_failed_still_counts_for_dedupe(stack, bus, store):
+    """A put whose answer was lost (a volume server or the network gone after the bytes landed) raises, yet the
+    shard is stored: before the next shard is built the tokenizer finds out, so the redelivered prompt is not
+    emitted twice."""
+    from shared.store import StoreUnavailable, resolve_credentials
+
+    class AnswerLost(Store):  # the real S3 stores the shard; only its answer is lost
+        def put_new(self, key: str, data: bytes, content_type: str = "application/octet-stream"):
+            super().put_new(key, data, content_type)
+            raise StoreUnavailable(f"put {key}: the answer was lost (injected)")
+
+    cfg = make_config(stack, tokenizer={"processes": 1})
+    run = cfg.run
+    tok = await asyncio.to_thread(load_target_tokenizer, cfg)
+    first = await write_shard(bus, store, run, "gen-0", 0, [topic_record(run, i) for i in range(3)])
+    second = await write_shard(bus, store, run, "gen-1", 0, [topic_record(run, 2), topic_record(run, 3)])
+    service = TokenizerService(cfg, bus, AnswerLost(cfg.store, *resolve_credentials(cfg)), tok)
+    await service.prepare()
+    with pytest.raises(StoreUnavailable):
+        await service.process(first)
+    service.store = store
+    event = await service.process(second)
+    assert (event.num_samples, event.dropped) == (1, {"duplicate": 1})
+    rows = [r for k in parquet_keys(store, run) for r in read_sample_generations(store.get_bytes(k))]
+    assert sorted(rows) == [(f"p{i:05d}", 0) for i in range(4)]
 
 
 # --- the real incident -------------------------------------------------------------------------------

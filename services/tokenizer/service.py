@@ -125,6 +125,7 @@ class TokenizerService:
         self.override = t.gate_override
         self.counts = Counts()
         self.seen: dict[str, int] = {}  # prompt_id → the newest generation emitted
+        self._unsettled: set[str] = set()  # tokenized keys whose write failed: stored or not, unknown until _settle
         self.tripped: Alert | None = None
         self.state = "starting"
         self._lock = asyncio.Lock()
@@ -207,6 +208,7 @@ class TokenizerService:
         async with self._lock:  # one shard at a time through build -> gate -> write, in delivery order
             if self.tripped is not None:
                 raise GateTripped(self.tripped.message)
+            await self._settle()
             built = await asyncio.to_thread(self._build, records)
             trial = self.gate.copy()
             verdict = trial.observe(built.outcomes)
@@ -220,9 +222,14 @@ class TokenizerService:
                 info, _ = await asyncio.to_thread(self.store.put_new, key, payload)
             except ObjectConflict:  # another worker wrote this shard first (different dedupe history): theirs stands
                 return await self._republish(ev, key)
-            event = await self._announce(ev, key, built.samples, info.sha256, summary)
+            except BaseException:
+                self._unsettled.add(key)  # it may have landed all the same: settled before the next build
+                raise
+            # Stored is in the dataset, announced or not: a failed announcement below (a NATS leader lost) is
+            # redelivered and re-announced, and a shard built meanwhile must not emit these prompts again.
             self.gate = trial
             self._saw((s.prompt_id, s.generation) for s in built.samples)
+            event = await self._announce(ev, key, built.samples, info.sha256, summary)
             c = self.counts
             c.shards += 1
             c.samples_in += len(records)
@@ -237,6 +244,17 @@ class TokenizerService:
                      len(built.samples), len(records), event.num_tokens, event.num_supervised, built.drift,
                      summary["dropped"] or "none")
             return event
+
+    async def _settle(self) -> None:
+        """A tokenized shard whose write failed may be stored all the same (the answer lost, not the put): its
+        prompts count as emitted before another shard is built, or a redelivered prompt would be emitted twice."""
+        for key in sorted(self._unsettled):
+            try:
+                if await asyncio.to_thread(self.store.exists, key):
+                    self._saw(read_sample_generations(await asyncio.to_thread(self.store.get_bytes, key)))
+            except StoreUnavailable as e:
+                raise Retry(f"cannot tell whether {key} was stored: {e}") from None
+            self._unsettled.discard(key)
 
     async def _read_source(self, ev: ShardWritten) -> bytes:
         try:
@@ -254,8 +272,8 @@ class TokenizerService:
         """The output exists: publish its event again from the stored shard (a duplicate msg id is a no-op)."""
         data = await asyncio.to_thread(self.store.get_bytes, key)
         samples = read_samples(data)
-        event = await self._announce(ev, key, samples, sha256_bytes(data), read_samples_summary(data))
         self._saw((s.prompt_id, s.generation) for s in samples)
+        event = await self._announce(ev, key, samples, sha256_bytes(data), read_samples_summary(data))
         self.counts.skipped_shards += 1
         return event
 
