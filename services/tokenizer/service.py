@@ -254,6 +254,8 @@ class TokenizerService:
                     self._saw(read_sample_generations(await asyncio.to_thread(self.store.get_bytes, key)))
             except StoreUnavailable as e:
                 raise Retry(f"cannot tell whether {key} was stored: {e}") from None
+            except (ChecksumMismatch, KeyNotFound, RecordError) as e:  # its own redelivery dead-letters it, saying why
+                log.warning("%s was stored but cannot be read: %s", key, e)
             self._unsettled.discard(key)
 
     async def _read_source(self, ev: ShardWritten) -> bytes:
