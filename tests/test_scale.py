@@ -58,6 +58,25 @@ def test_sample_index_keeps_dedupe_samples_rule_and_fetches_only_new_shards(stac
     assert got.memory_bytes() < 100 * len(got)
 
 
+def test_a_shard_written_again_under_its_key_is_not_served_from_the_disk_cache(stack, tmp_path: Path) -> None:
+    """A run deleted and run again under its name writes new objects under the same keys: a trainer on the
+    node that cached the old ones must read the new ones."""
+    cfg = make_config(stack)
+    store = Store.open(cfg)
+    rng = random.Random(7)
+    (key, old), = _shards(cfg.run, rng, 0, 1).items()
+    store.put_bytes(key, samples_to_parquet(old))
+    want = lambda samples: sorted((s for s in dedupe_samples([(key, samples)]).values()  # noqa: E731
+                                   if s.num_supervised >= 2), key=lambda s: s.prompt_id)
+    assert list(SampleIndex(store, ShardCache(tmp_path / "cache")).select([key], holdout_mod=0, train=True)) == want(old)
+    store.delete(key)
+    (_, new), = _shards(cfg.run, rng, 0, 1).items()
+    assert want(new) != want(old)
+    store.put_bytes(key, samples_to_parquet(new))
+    again = SampleIndex(store, ShardCache(tmp_path / "cache"))  # a restarted trainer, same node, same cache
+    assert list(again.select([key], holdout_mod=0, train=True)) == want(new)
+
+
 @pytest.mark.stack  # runs bench/scale.py's stack and services
 def test_scale_bench_small_size_ends_exactly_once_after_kill9(tmp_path: Path) -> None:
     out = tmp_path / "scale.json"

@@ -208,14 +208,16 @@ def _meta_dtype(id_width: int) -> np.dtype:
 class ShardCache:
     """Tokenized shards on local disk: `<name>.tok` (int32 ids of every sample, then their uint8 masks) and
     `<name>.meta.npy` (the per-sample table), written once each through a rename, the table last (its
-    presence means the shard is complete). Objects under a tokenized key never change (the key holds the
-    template fingerprint), so a cached shard is never fetched again; the folder is per S3 endpoint and
-    bucket, so another stack's objects under the same key never meet these."""
+    presence means the shard is complete). `<name>` is the key and the object's sha256: a run's objects
+    never change, but a run deleted and run again under its name writes other objects under the same keys,
+    and those are fetched again, never served from the old ones (one HEAD per shard a process indexes).
+    The folder is per S3 endpoint and bucket, so another stack's objects never meet these."""
 
     def __init__(self, root: Path, *, keep: object = None) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self._keep = keep  # a temporary folder's owner: removed with the last reference to this cache
+        self._names: dict[str, Path] = {}  # key -> its object's files, once `meta` has looked it up
 
     @classmethod
     def temporary(cls) -> ShardCache:
@@ -232,20 +234,23 @@ class ShardCache:
         where = hashlib.sha256(f"{cfg.store.endpoint}/{cfg.store.bucket}".encode()).hexdigest()[:12]
         return cls(base / where)
 
-    def _name(self, key: str) -> Path:
-        return self.root / hashlib.sha256(key.encode()).hexdigest()[:32]
-
     def tokens_path(self, key: str) -> Path:
-        return self._name(key).with_suffix(".tok")
+        """The shard's token file (`meta` first: it names the file after the object it found)."""
+        return self._names[key].with_suffix(".tok")
 
     def meta(self, store: Store, key: str) -> np.ndarray:
-        """The shard's per-sample table, fetching and converting the shard first if it is not cached."""
-        meta_path = self._name(key).with_suffix(".meta.npy")
+        """The shard's per-sample table, fetching and converting the shard first if this object is not cached."""
+        info = store.stat(key)
+        if info is None:
+            raise KeyNotFound(f"{store.uri(key)} does not exist")
+        name = self.root / hashlib.sha256(f"{key}\0{info.sha256}".encode()).hexdigest()[:32]
+        meta_path = name.with_suffix(".meta.npy")
         if not meta_path.exists():
-            self._fetch(store, key, meta_path)
+            self._fetch(store, key, name.with_suffix(".tok"), meta_path)
+        self._names[key] = name
         return np.load(meta_path)
 
-    def _fetch(self, store: Store, key: str, meta_path: Path) -> None:
+    def _fetch(self, store: Store, key: str, tok_path: Path, meta_path: Path) -> None:
         try:
             table = pq.read_table(pa.BufferReader(store.get_bytes(key)))
             ids = table.column("input_ids").combine_chunks()
@@ -268,7 +273,6 @@ class ShardCache:
         meta["holdout_hash"] = [_holdout_hash(p) for p in pids]
         meta["start"] = offsets[:-1] - offsets[0]
         start, end = int(offsets[0]), int(offsets[-1])
-        tok_path = self.tokens_path(key)
         tmp = tok_path.with_name(f"{tok_path.name}.{os.getpid()}.{threading.get_ident()}.tmp")  # per writer thread
         with open(tmp, "wb") as f:
             f.write(ids.values.to_numpy()[start:end].astype("<i4", copy=False).tobytes())
