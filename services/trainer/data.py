@@ -23,6 +23,7 @@ import os
 import tempfile
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -323,10 +324,15 @@ class SampleIndex:
         self._meta: dict[str, np.ndarray] = {}
 
     def add(self, keys: list[str]) -> int:
-        """Index the shards not indexed yet; how many were new."""
+        """Index the shards not indexed yet; how many were new. Many at once (a trainer's start: every shard of
+        its checkpoint) are looked up and fetched 16 at a time, so a start costs S3 round trips / 16."""
         new = [k for k in keys if k not in self._meta]
-        for k in new:
-            self._meta[k] = self.cache.meta(self.store, k)
+        if len(new) > 1:
+            with ThreadPoolExecutor(min(16, len(new)), thread_name_prefix="shard-index") as pool:
+                metas = list(pool.map(lambda k: self.cache.meta(self.store, k), new))
+        else:
+            metas = [self.cache.meta(self.store, k) for k in new]
+        self._meta.update(zip(new, metas, strict=True))
         return len(new)
 
     def select(self, keys: list[str], *, holdout_mod: int, train: bool) -> SampleSet:
