@@ -403,11 +403,13 @@ def _latest_step(store: Store, run: str) -> int:
 
 def kill9_after_first_checkpoint_then_resume(stack, env: dict, store: Store, run: str, log: Path, *,
                                              timeout_s: float) -> None:
-    """Train `run`, kill -9 it once its first checkpoint (step 3) is in S3, start it again, and check that the
-    second process resumed from that checkpoint and finished."""
+    """Train `run`, kill -9 it once its first checkpoint (step 3) is in S3 and that step's progress is published
+    (the trainer publishes a step's progress after its checkpoint: a kill between the two would lose the step from
+    the history the callers compare), start it again, and check that the second process resumed from that
+    checkpoint and finished."""
     b = _spawn(env, run, log, "train")
     deadline = time.monotonic() + timeout_s
-    while _latest_step(store, run) < 3:
+    while _latest_step(store, run) < 3 or max((p.step for p in trainer_progress(stack, run)), default=0) < 3:
         assert b.poll() is None, log.read_text()[-3000:]
         assert time.monotonic() < deadline
         time.sleep(0.2)
