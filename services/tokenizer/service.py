@@ -250,11 +250,12 @@ class TokenizerService:
         prompts count as emitted before another shard is built, or a redelivered prompt would be emitted twice."""
         for key in sorted(self._unsettled):
             try:
-                if await asyncio.to_thread(self.store.exists, key):
-                    self._saw(read_sample_generations(await asyncio.to_thread(self.store.get_bytes, key)))
+                self._saw(read_sample_generations(await asyncio.to_thread(self.store.get_bytes, key)))
+            except KeyNotFound:
+                pass  # not stored: its redelivery builds it
             except StoreUnavailable as e:
                 raise Retry(f"cannot tell whether {key} was stored: {e}") from None
-            except (ChecksumMismatch, KeyNotFound, RecordError) as e:  # its own redelivery dead-letters it, saying why
+            except (ChecksumMismatch, RecordError) as e:  # its own redelivery dead-letters it, saying why
                 log.warning("%s was stored but cannot be read: %s", key, e)
             self._unsettled.discard(key)
 
